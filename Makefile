@@ -1,0 +1,49 @@
+# Two entry points on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# System packages the tests use (speech synthesis for test audio).
+APT_PACKAGES := espeak-ng sox
+
+.PHONY: serve test lint protos check-protos install install-dev system-deps bench clean
+
+serve: install
+	$(VENV)/bin/cosystream serve $(ARGS)
+
+test: install-dev system-deps
+	$(PY) -m pytest -q $(ARGS)
+
+lint: install-dev
+	$(VENV)/bin/ruff check cosystream tests benchmarks clients scripts
+	$(PY) scripts/gen_protos.py --check
+
+protos: install-dev
+	$(PY) scripts/gen_protos.py
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch first, so that the package's loose `torch>=2.4` is already met.
+	$(PIP) install -q torch==2.13.0
+
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "missing system packages:$$missing (tests that need them are skipped); as root: apt-get install$$missing"; fi; \
+	fi
+
+clean:
+	rm -rf $(VENV) build *.egg-info

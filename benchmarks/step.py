@@ -1,0 +1,179 @@
+"""Model step cost against batch size and frames per step, through the same runner the engine uses.
+
+Prints a JSON document and a table: p50/p99 step latency for batch 1..N and T in {1, 4, 16}; the batched
+step against a per-session loop at 64 sessions; FLOPs per frame and the achieved rate against a measured
+matmul peak; on CUDA, graph replay against eager.
+
+    python benchmarks/step.py                       # CPU, one thread
+    python benchmarks/step.py --device cuda --max-batch 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+from cosystream.models import FRAME_SAMPLES, load_model
+from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
+from cosystream.runtime.slab import StateSlab
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, iterations: int, warmup: int, device: torch.device) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q))
+
+
+def matmul_peak_gflops(device: torch.device) -> float:
+    """Best of a few square fp32 matmuls: the roofline the model step is compared with."""
+    size = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    best = min(time_calls(lambda: a @ b, 5, 2, device))
+    return 2 * size**3 / best / 1e9
+
+
+def build_runner(model, max_batch: int, mode: GraphMode, device: torch.device, direct: bool) -> Runner:
+    slab = StateSlab(model.cache_specs(), max_batch, device=device)
+    for _ in range(max_batch):
+        slab.alloc()
+    return Runner(model, slab, RunnerConfig(max_batch=max_batch, graph_mode=mode, direct_state=direct))
+
+
+def bench_runner(runner: Runner, batches: list[int], frame_counts: list[int], iterations: int) -> list[dict]:
+    rows = []
+    device = runner.device
+    for frames in frame_counts:
+        for batch in batches:
+            pcm = (np.random.default_rng(0).standard_normal((batch, frames * FRAME_SAMPLES)) * 0.1).astype(
+                np.float32
+            )
+            slots = list(range(batch))
+            samples = time_calls(lambda s=slots, p=pcm: runner.run(s, p), iterations, 5, device)
+            p50 = percentile(samples, 50)
+            rows.append(
+                {
+                    "batch": batch,
+                    "frames": frames,
+                    "p50_ms": p50 * 1e3,
+                    "p99_ms": percentile(samples, 99),
+                    "us_per_session_frame": p50 / (batch * frames) * 1e6,
+                }
+            )
+            rows[-1]["p99_ms"] *= 1e3
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the engine uses 1)")
+    parser.add_argument("--max-batch", type=int, default=1024)
+    parser.add_argument("--frames", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    parser.add_argument("--json", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model = load_model(args.model, device=device)
+    batches = [b for b in batch_buckets(args.max_batch)]
+    result: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "flops_per_frame": model.flops_per_frame(),
+        "matmul_peak_gflops": matmul_peak_gflops(device),
+    }
+    with torch.no_grad():
+        eager = build_runner(model, args.max_batch, GraphMode.EAGER, device, direct=True)
+        result["eager"] = bench_runner(eager, batches, args.frames, args.iterations)
+        gather = build_runner(model, 64, GraphMode.EAGER, device, direct=False)
+        result["gather_scatter_b64"] = bench_runner(gather, [64], [1], args.iterations)[0]
+        # The unbatched baseline: 64 sessions, one model call each per 10 ms frame.
+        loop_batch = min(64, args.max_batch)
+        one = build_runner(model, loop_batch, GraphMode.EAGER, device, direct=True)
+        pcm = (np.random.default_rng(1).standard_normal((loop_batch, FRAME_SAMPLES)) * 0.1).astype(np.float32)
+
+        def per_session_loop() -> None:
+            for row in range(loop_batch):
+                one.run([row], pcm[row : row + 1])
+
+        loop = time_calls(per_session_loop, max(5, args.iterations // 5), 2, device)
+        batched = next(r for r in result["eager"] if r["batch"] == loop_batch and r["frames"] == 1)
+        result["per_session_loop"] = {
+            "sessions": loop_batch,
+            "p50_ms": percentile(loop, 50) * 1e3,
+            "batched_p50_ms": batched["p50_ms"],
+            "speedup": percentile(loop, 50) * 1e3 / batched["p50_ms"],
+        }
+        if device.type == "cuda":
+            graphs = build_runner(model, args.max_batch, GraphMode.GRAPHS, device, direct=True)
+            result["graphs"] = bench_runner(graphs, batches, args.frames, args.iterations)
+            result["graph_speedup"] = [
+                {"batch": g["batch"], "frames": g["frames"], "speedup": e["p50_ms"] / g["p50_ms"]}
+                for g, e in zip(result["graphs"], result["eager"], strict=True)
+            ]
+    best = max(result["eager"] + result.get("graphs", []), key=lambda r: r["batch"] * r["frames"] / r["p50_ms"])
+    result["achieved_gflops"] = result["flops_per_frame"] * best["batch"] * best["frames"] / best["p50_ms"] / 1e6
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print_table(result)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    out = sys.stdout
+    out.write(
+        f"\nmodel: {result['flops_per_frame'] / 1e6:.2f} MFLOP/frame; matmul peak {result['matmul_peak_gflops']:.0f}"
+        f" GFLOP/s; best achieved {result['achieved_gflops']:.1f} GFLOP/s ({result['device']}, {result['threads']} thread(s))\n"
+    )
+    graphs = {(r["batch"], r["frames"]): r for r in result.get("graphs", [])}
+    header = f"{'batch':>6} {'T':>3} {'p50 ms':>9} {'p99 ms':>9} {'us/sess-frame':>14}"
+    if graphs:
+        header += f" {'graph p50':>10} {'graph x':>8}"
+    out.write(header + "\n")
+    for row in result["eager"]:
+        line = (
+            f"{row['batch']:>6} {row['frames']:>3} {row['p50_ms']:>9.3f} {row['p99_ms']:>9.3f}"
+            f" {row['us_per_session_frame']:>14.1f}"
+        )
+        g = graphs.get((row["batch"], row["frames"]))
+        if g:
+            line += f" {g['p50_ms']:>10.3f} {row['p50_ms'] / g['p50_ms']:>8.1f}"
+        out.write(line + "\n")
+    loop = result["per_session_loop"]
+    gs = result["gather_scatter_b64"]
+    out.write(
+        f"\n{loop['sessions']} sessions: batched step {loop['batched_p50_ms']:.2f} ms vs per-session loop"
+        f" {loop['p50_ms']:.2f} ms -> {loop['speedup']:.1f}x; gather/scatter path at batch 64: {gs['p50_ms']:.2f} ms\n"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

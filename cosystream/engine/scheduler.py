@@ -1,0 +1,402 @@
+"""The step scheduler: which sessions the engine steps next, and with how many frames each.
+
+Shaped after vLLM v1 / nano-vllm: the engine reports what arrived (`add_frames`) and what a step cost
+(`update_cost`); `schedule()` returns one `StepPlan`, a plain data object the engine hands to
+``runner.run(plan.slots, frames)``. The scheduler holds no audio, only per-session frame counts and
+arrival times, and it imports nothing but the standard library.
+
+Policy (DESIGN.md, "The scheduler"):
+
+- REALTIME before BATCH: while any realtime session has a frame pending, `schedule()` returns a realtime
+  step. Each ready session steps ``min(pending, realtime_max_frames)`` frames rounded down to a frame
+  bucket (with buckets (1, 4, 16) and a cap of 4: pending 1-3 -> T=1, pending >= 4 -> T=4). All rows of
+  a step share T, so among the next ``max_batch`` sessions in round-robin order the scheduler takes the
+  T-group that holds the oldest pending frame (ties: the larger group). "Larger group first" would
+  starve a lagging session; oldest-first serves it once its frame is the oldest, which it soon is.
+- BATCH fills the rest: the session at the round-robin head fixes T (``min(pending, batch_frames)``
+  rounded down to a bucket), and the step takes the sessions with that T among the next N in order,
+  where N is the largest row bucket whose estimated cost fits ``batch_step_budget_s`` (at least 1).
+  A realtime frame therefore waits behind at most one budget-sized batch step.
+- Round-robin: each class keeps an insertion-ordered set of ready slots; a stepped session that still
+  has frames moves to the back, one that was passed over keeps its place at the front.
+- Admission: at most ``max_sessions`` sessions. `admit()` is asked *before* the engine allocates a slot
+  (a full engine has no free slot to offer): on a full engine a REALTIME request sheds the most recently
+  admitted BATCH session, anything else gets `AdmissionError`.
+
+Every call is O(1) or O(rows in the step): ready sessions sit in `OrderedDict`s (O(1) delete and
+move-to-back), arrival times are kept as runs of ``(arrival_s, count)``.
+"""
+
+import logging
+import math
+import time
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from itertools import islice, pairwise
+
+logger = logging.getLogger(__name__)
+
+
+class Priority(IntEnum):
+    """A session's service class. Lower values are served first; the values match the wire enum."""
+
+    REALTIME = 1
+    BATCH = 2
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_sessions: int = 256
+    max_batch: int = 256  # rows per step
+    frame_buckets: tuple[int, ...] = (1, 4, 16)  # allowed frames per row (T); must start at 1
+    realtime_max_frames: int = 4  # catch-up cap for a realtime session that fell behind
+    batch_frames: int = 16  # frames per BATCH row when that many are pending
+    deadline_s: float = 0.1  # a realtime frame stepped later than arrival + deadline_s is a miss
+    batch_step_budget_s: float = 0.004  # estimated cost cap of one BATCH step
+    cost_ema_alpha: float = 0.2  # weight of a new measurement in the per-(rows, T) cost EMA
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "frame_buckets", tuple(self.frame_buckets))
+        buckets = self.frame_buckets
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not buckets or buckets[0] != 1 or any(a >= b for a, b in pairwise(buckets)):
+            # Without a bucket of 1 the last frames of a stream could never be stepped.
+            raise ValueError(f"frame_buckets must be strictly increasing and start at 1, got {buckets}")
+        if self.realtime_max_frames < 1 or self.batch_frames < 1:
+            raise ValueError("realtime_max_frames and batch_frames must be >= 1")
+        if not self.deadline_s > 0 or not self.batch_step_budget_s > 0:
+            raise ValueError("deadline_s and batch_step_budget_s must be > 0")
+        if not 0 < self.cost_ema_alpha <= 1:
+            raise ValueError(f"cost_ema_alpha must be in (0, 1], got {self.cost_ema_alpha}")
+
+
+class AdmissionError(Exception):
+    """No room for a new session; the server answers RESOURCE_EXHAUSTED with ``str(err)``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "full"
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step: run ``slots`` with ``frames`` frames each (the next ones each session has queued)."""
+
+    priority: Priority
+    frames: int  # T, a frame bucket
+    slots: list[int]
+    queue_wait_s: list[float]  # per row: now_s - arrival of the oldest frame stepped in that row
+    deadline_misses: int  # realtime frames in this step older than deadline_s
+    now_s: float  # clock time when the step was planned
+    oldest_arrival_s: float
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters, read by the metrics module.
+
+    Conservation: ``frames_arrived == realtime_frames + batch_frames + frames_dropped + pending``.
+    """
+
+    realtime_steps: int = 0
+    batch_steps: int = 0
+    realtime_rows: int = 0
+    batch_rows: int = 0
+    realtime_frames: int = 0  # frames stepped
+    batch_frames: int = 0
+    deadline_misses: int = 0
+    frames_arrived: int = 0
+    frames_dropped: int = 0  # still pending when their session was removed or shed
+    admitted: int = 0
+    rejected: int = 0
+    shed: int = 0
+
+
+class _Session:
+    __slots__ = ("pending", "priority", "runs")
+
+    def __init__(self, priority: Priority) -> None:
+        self.priority = priority
+        self.pending = 0
+        self.runs: deque[tuple[float, int]] = deque()  # (arrival_s, count), oldest first
+
+
+class Scheduler:
+    """Decides, one step at a time, which sessions the engine steps and with how many frames.
+
+    Single-threaded: the engine's tick loop makes every call. Engine flow for a new session:
+    ``shed = admit(p)`` (end ``shed`` if any) -> ``slot = slab.alloc()`` -> ``add(slot, p)``.
+    """
+
+    def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = c = config or SchedulerConfig()
+        self.stats = SchedulerStats()
+        self._clock = clock
+        self._sessions: list[_Session | None] = [None] * c.max_sessions
+        self._num_active = 0
+        # Slots with >= 1 pending frame, in round-robin order (values unused).
+        self._ready_rt: OrderedDict[int, None] = OrderedDict()
+        self._ready_batch: OrderedDict[int, None] = OrderedDict()
+        self._batch_admitted: OrderedDict[int, None] = OrderedDict()  # oldest admission first
+        # T for a given min(pending, cap): the largest frame bucket <= it.
+        self._rt_frames = [_floor_bucket(c.frame_buckets, n) for n in range(c.realtime_max_frames + 1)]
+        self._batch_frames = [_floor_bucket(c.frame_buckets, n) for n in range(c.batch_frames + 1)]
+        # Row buckets the runner pads to: 1, 2, 4, ... and max_batch itself.
+        self._row_buckets = []
+        b = 1
+        while b < c.max_batch:
+            self._row_buckets.append(b)
+            b *= 2
+        self._row_buckets.append(c.max_batch)
+        self._cost_s: dict[tuple[int, int], float] = {}  # EMA of measured step seconds per (row bucket, T)
+        self._fit: tuple[float, float] | None = None  # (fixed_s, per_row_frame_s) over _cost_s
+        self._fit_dirty = False
+
+    # -- sessions ------------------------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    def admit(self, priority: Priority) -> int | None:
+        """Make room for one new session, before the engine allocates its slot.
+
+        Returns None when there is room, or the slot of a BATCH session shed to make room for a REALTIME
+        one: that session is already forgotten here (do not `remove` it); the engine ends it with
+        RESOURCE_EXHAUSTED and frees its slot. Raises `AdmissionError` when there is no room.
+        """
+        c = self.config
+        if self._num_active < c.max_sessions:
+            return None
+        if priority == Priority.REALTIME and self._batch_admitted:
+            victim = next(reversed(self._batch_admitted))
+            self.remove(victim)
+            self.stats.shed += 1
+            logger.info("engine full: shed BATCH session on slot %d to admit a REALTIME session", victim)
+            return victim
+        self.stats.rejected += 1
+        what = "no BATCH session to preempt" if priority == Priority.REALTIME else "BATCH sessions are refused"
+        raise AdmissionError("full", f"engine full ({c.max_sessions} sessions active; {what})")
+
+    def add(self, slot: int, priority: Priority) -> None:
+        """Start scheduling a new session on ``slot`` (call `admit` first)."""
+        if not 0 <= slot < self.config.max_sessions:
+            raise ValueError(f"slot {slot} out of range [0, {self.config.max_sessions})")
+        if self._sessions[slot] is not None:
+            raise ValueError(f"slot {slot} already has a session")
+        priority = Priority(priority)
+        self._sessions[slot] = _Session(priority)
+        self._num_active += 1
+        if priority == Priority.BATCH:
+            self._batch_admitted[slot] = None
+        self.stats.admitted += 1
+
+    def remove(self, slot: int) -> bool:
+        """Forget the session on ``slot`` and its pending frames, in O(1). False if none was there."""
+        s = self._sessions[slot] if 0 <= slot < self.config.max_sessions else None
+        if s is None:
+            return False
+        self._sessions[slot] = None
+        self._num_active -= 1
+        self.stats.frames_dropped += s.pending
+        if s.priority == Priority.REALTIME:
+            self._ready_rt.pop(slot, None)
+        else:
+            self._ready_batch.pop(slot, None)
+            self._batch_admitted.pop(slot, None)
+        return True
+
+    def add_frames(self, slot: int, n: int, arrival_s: float) -> None:
+        """Record ``n`` frames for ``slot`` that arrived at ``arrival_s`` (same clock as the scheduler's)."""
+        s = self._sessions[slot] if 0 <= slot < self.config.max_sessions else None
+        if s is None:
+            raise ValueError(f"no session on slot {slot}")
+        if n <= 0:
+            if n < 0:
+                raise ValueError(f"frame count must be >= 0, got {n}")
+            return
+        runs = s.runs
+        if runs and runs[-1][0] == arrival_s:
+            runs[-1] = (arrival_s, runs[-1][1] + n)
+        else:
+            runs.append((arrival_s, n))
+        if s.pending == 0:
+            (self._ready_rt if s.priority == Priority.REALTIME else self._ready_batch)[slot] = None
+        s.pending += n
+        self.stats.frames_arrived += n
+
+    def pending(self, slot: int) -> int:
+        """Frames recorded for ``slot`` and not yet scheduled (0 if no session)."""
+        s = self._sessions[slot] if 0 <= slot < self.config.max_sessions else None
+        return 0 if s is None else s.pending
+
+    def has_work(self) -> bool:
+        return bool(self._ready_rt or self._ready_batch)
+
+    # -- stepping ------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan ONE step, or None when nothing is pending.
+
+        The plan is a commitment: its frames count as stepped from now on, so the engine runs it (or
+        ends the sessions in it).
+        """
+        if self._ready_rt:
+            return self._schedule_realtime(self._clock())
+        if self._ready_batch:
+            return self._schedule_batch(self._clock())
+        return None
+
+    def _schedule_realtime(self, now: float) -> StepPlan:
+        sessions, table, cap = self._sessions, self._rt_frames, self.config.realtime_max_frames
+        window = list(islice(self._ready_rt, self.config.max_batch))
+        ts = []
+        for slot in window:
+            p = sessions[slot].pending
+            ts.append(table[p if p < cap else cap])
+        t = ts[0]
+        if ts.count(t) == len(ts):
+            return self._commit(Priority.REALTIME, window, t, now)
+        # Mixed T: the group holding the oldest frame, ties to the larger group.
+        oldest: dict[int, tuple[float, int]] = {}
+        for slot, ti in zip(window, ts, strict=True):
+            a = sessions[slot].runs[0][0]
+            best = oldest.get(ti)
+            oldest[ti] = (a, -1) if best is None else (min(best[0], a), best[1] - 1)
+        t = min(oldest, key=oldest.__getitem__)
+        rows = [slot for slot, ti in zip(window, ts, strict=True) if ti == t]
+        return self._commit(Priority.REALTIME, rows, t, now)
+
+    def _schedule_batch(self, now: float) -> StepPlan:
+        sessions, table, cap = self._sessions, self._batch_frames, self.config.batch_frames
+        ready = self._ready_batch
+        p = sessions[next(iter(ready))].pending
+        t = table[p if p < cap else cap]
+        limit = self.batch_rows_limit(t)
+        rows = []
+        for slot in islice(ready, limit):
+            p = sessions[slot].pending
+            if table[p if p < cap else cap] == t:
+                rows.append(slot)
+        return self._commit(Priority.BATCH, rows, t, now)
+
+    def _commit(self, priority: Priority, rows: list[int], t: int, now: float) -> StepPlan:
+        """Take ``t`` frames from each row's queue, rotate the ready set, count misses and waits."""
+        realtime = priority == Priority.REALTIME
+        ready = self._ready_rt if realtime else self._ready_batch
+        deadline_s = self.config.deadline_s
+        sessions = self._sessions
+        waits = []
+        misses = 0
+        oldest = now
+        for slot in rows:
+            s = sessions[slot]
+            runs = s.runs
+            first = runs[0][0]
+            waits.append(now - first)
+            if first < oldest:
+                oldest = first
+            left = t
+            while left:
+                a, n = runs[0]
+                if n <= left:
+                    runs.popleft()
+                else:
+                    runs[0] = (a, n - left)
+                    n = left
+                if realtime and now - a > deadline_s:
+                    misses += n
+                left -= n
+            s.pending -= t
+            if s.pending:
+                ready.move_to_end(slot)
+            else:
+                del ready[slot]
+        st = self.stats
+        if realtime:
+            st.realtime_steps += 1
+            st.realtime_rows += len(rows)
+            st.realtime_frames += len(rows) * t
+            st.deadline_misses += misses
+        else:
+            st.batch_steps += 1
+            st.batch_rows += len(rows)
+            st.batch_frames += len(rows) * t
+        return StepPlan(priority, t, rows, waits, misses, now, oldest)
+
+    # -- cost model ----------------------------------------------------------------------------------
+
+    def update_cost(self, rows: int, frames: int, seconds: float) -> None:
+        """Feed the measured wall time of a step of ``rows`` rows x ``frames`` frames (any priority)."""
+        if not 1 <= rows <= self.config.max_batch or frames < 1 or not 0 <= seconds < math.inf:
+            raise ValueError(f"bad step measurement: rows={rows} frames={frames} seconds={seconds}")
+        key = (self._row_bucket(rows), frames)
+        old = self._cost_s.get(key)
+        self._cost_s[key] = seconds if old is None else old + self.config.cost_ema_alpha * (seconds - old)
+        self._fit_dirty = True
+
+    def estimate_cost_s(self, rows: int, frames: int) -> float:
+        """Estimated seconds of a step: the (row bucket, T) EMA if measured, else the fitted line.
+
+        The line is ``fixed_s + per_row_frame_s * row_bucket * T``, least squares over the measured
+        EMAs; with fewer than two distinct sizes (or a non-positive slope) it goes through the origin,
+        which overestimates larger steps. Infinite before any measurement.
+        """
+        b = self._row_bucket(rows)
+        measured = self._cost_s.get((b, frames))
+        if measured is not None:
+            return measured
+        if self._fit_dirty:
+            self._fit = _fit_line([(bb * tt, y) for (bb, tt), y in self._cost_s.items()])
+            self._fit_dirty = False
+        if self._fit is None:
+            return math.inf
+        fixed_s, per_row_frame_s = self._fit
+        return max(0.0, fixed_s + per_row_frame_s * b * frames)
+
+    def batch_rows_limit(self, frames: int) -> int:
+        """The most BATCH rows of ``frames`` frames whose estimated cost fits the budget (at least 1)."""
+        budget_s = self.config.batch_step_budget_s
+        best = 1
+        for b in self._row_buckets:  # stop at the first bucket over budget: estimates need not be monotone
+            if self.estimate_cost_s(b, frames) > budget_s:
+                break
+            best = b
+        return best
+
+    def _row_bucket(self, rows: int) -> int:
+        return self._row_buckets[bisect_left(self._row_buckets, rows)]
+
+
+def _floor_bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The largest bucket <= n (0 when n < 1)."""
+    best = 0
+    for b in buckets:
+        if b <= n:
+            best = b
+    return best
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ``y = fixed + slope * x``; through the origin if degenerate; None if no points."""
+    if not points:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx > 0:
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+        if slope > 0:
+            return my - slope * mx, slope
+    return 0.0, my / mx

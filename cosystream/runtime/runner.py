@@ -1,0 +1,167 @@
+"""The batched runner: gather the caches of a batch of slots, step the model once, scatter them back.
+
+A model that also has ``step_slots(pcm, slab_tensors, slots)`` is stepped directly on the slab instead
+(it reads and writes only the cache rows it needs); gather -> step -> scatter is the contract's path.
+
+``run(slot_ids, frames)`` pads the batch up to the next bucket with the slab's scratch slot, so only a
+fixed set of shapes ever runs: one per (batch bucket, frames per step). On CUDA each of those is captured
+as a graph at start-up and replayed by copying inputs into the buffers it was captured with. The eager path
+always exists (CPU, ``--no-cuda-graphs``) and computes the same thing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cosystream.models.contract import FRAME_SAMPLES, StreamingModel
+from cosystream.runtime.slab import StateSlab
+
+log = logging.getLogger(__name__)
+
+
+class GraphMode(enum.Enum):
+    EAGER = "eager"
+    GRAPHS = "graphs"
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two up to ``max_batch``, which is always the last bucket."""
+    buckets = []
+    size = 1
+    while size < max_batch:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_batch)
+    return tuple(buckets)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    max_batch: int = 256
+    frame_buckets: tuple[int, ...] = (1, 4, 16)
+    graph_mode: GraphMode = GraphMode.EAGER
+    # Use the model's in-place ``step_slots`` when it has one; False forces gather -> step -> scatter.
+    direct_state: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if not self.frame_buckets or any(t < 1 for t in self.frame_buckets):
+            raise ValueError("frame_buckets must be positive frame counts")
+        if tuple(sorted(set(self.frame_buckets))) != self.frame_buckets:
+            raise ValueError("frame_buckets must be strictly increasing")
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Per real row and frame: the argmax token id and its log-probability (host arrays, ``[n, T]``)."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    logits: torch.Tensor | None = None
+
+
+class Runner:
+    def __init__(self, model: StreamingModel, slab: StateSlab, config: RunnerConfig):
+        self.model = model
+        self.slab = slab
+        self.config = config
+        self.device = slab.device
+        self.batch_buckets = batch_buckets(min(config.max_batch, slab.max_sessions))
+        max_rows = self.batch_buckets[-1]
+        dtype = next((s.dtype for s in slab.specs if s.dtype.is_floating_point), torch.float32)
+        # Static buffers: every step reads its inputs from, and writes its outputs to, these same tensors.
+        self._slots = torch.full((max_rows,), slab.scratch_slot, dtype=torch.long, device=self.device)
+        self._pcm = {
+            t: torch.zeros((max_rows, t * FRAME_SAMPLES), dtype=dtype, device=self.device)
+            for t in config.frame_buckets
+        }
+        self._out = {
+            t: torch.zeros((max_rows, t, 2), dtype=torch.float32, device=self.device) for t in config.frame_buckets
+        }
+        pin = self.device.type == "cuda"
+        self._host_slots = torch.zeros((max_rows,), dtype=torch.long, pin_memory=pin)
+        self._direct = config.direct_state and hasattr(model, "step_slots")
+        self._graphs = None
+        if config.graph_mode is GraphMode.GRAPHS:
+            self._capture_graphs()
+
+    @property
+    def max_rows(self) -> int:
+        return self.batch_buckets[-1]
+
+    def bucket_for(self, rows: int) -> int:
+        for bucket in self.batch_buckets:
+            if bucket >= rows:
+                return bucket
+        raise ValueError(f"{rows} rows exceed the largest batch bucket {self.batch_buckets[-1]}")
+
+    def run(
+        self, slot_ids: Sequence[int], frames: np.ndarray | torch.Tensor, return_logits: bool = False
+    ) -> StepResult:
+        """Step ``frames [n, T * 160]`` (T a frame bucket) for the sessions in ``slot_ids`` (distinct)."""
+        rows = len(slot_ids)
+        if rows == 0:
+            raise ValueError("run() needs at least one slot")
+        frames_per_step, remainder = divmod(frames.shape[1], FRAME_SAMPLES)
+        if remainder or frames_per_step not in self._pcm:
+            raise ValueError(
+                f"frames must be [n, T * {FRAME_SAMPLES}] with T in {self.config.frame_buckets}, got {tuple(frames.shape)}"
+            )
+        if frames.shape[0] != rows:
+            raise ValueError(f"{rows} slots but {frames.shape[0]} rows of frames")
+        bucket = self.bucket_for(rows)
+        host_slots = self._host_slots[:bucket]
+        host_slots[:rows] = torch.as_tensor(slot_ids, dtype=torch.long)
+        host_slots[rows:] = self.slab.scratch_slot
+        self._slots[:bucket].copy_(host_slots, non_blocking=True)
+        pcm = self._pcm[frames_per_step]
+        pcm[:rows].copy_(torch.as_tensor(frames), non_blocking=True)
+        pcm[rows:bucket].zero_()
+        key = (bucket, frames_per_step)
+        with torch.no_grad():
+            logits = self._graphs.replay(key) if self._graphs is not None else self._step(bucket, frames_per_step)
+        # The one device-to-host copy of the step.
+        out = self._out[frames_per_step][:rows].to("cpu", copy=True)
+        result = StepResult(ids=out[..., 0].to(torch.int32).numpy(), logprobs=out[..., 1].numpy())
+        if return_logits:
+            result.logits = logits[:rows].clone()
+        return result
+
+    def _step(self, bucket: int, frames_per_step: int) -> torch.Tensor:
+        slots = self._slots[:bucket]
+        pcm = self._pcm[frames_per_step][:bucket]
+        if self._direct:
+            logits = self.model.step_slots(pcm, self.slab.tensors, slots)
+        else:
+            caches = [tensor.index_select(0, slots) for tensor in self.slab.tensors]
+            logits, caches = self.model.step(pcm, caches)
+            for tensor, cache in zip(self.slab.tensors, caches, strict=True):
+                tensor.index_copy_(0, slots, cache)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        best, ids = logprobs.max(dim=-1)
+        out = self._out[frames_per_step][:bucket]
+        out[..., 0].copy_(ids)
+        out[..., 1].copy_(best)
+        return logits
+
+    def _capture_graphs(self) -> None:
+        from cosystream.runtime.cuda_graphs import CudaGraphs
+
+        self._graphs = CudaGraphs(self.device)
+        keys = [(b, t) for b in self.batch_buckets for t in self.config.frame_buckets]
+        # Largest first: the smaller graphs then fit in blocks of the pool the largest one made.
+        keys.sort(key=lambda key: key[0] * key[1], reverse=True)
+        self._slots.fill_(self.slab.scratch_slot)
+        with torch.no_grad():
+            for bucket, frames_per_step in keys:
+                self._graphs.capture(
+                    (bucket, frames_per_step), lambda b=bucket, t=frames_per_step: self._step(b, t)
+                )
+        self._graphs.freeze()

@@ -1,0 +1,71 @@
+"""The state slab: every live session's model caches in preallocated device memory, one slot each.
+
+For each cache spec, one tensor ``[max_sessions + 1, *shape]``; the last slot is scratch, the target of
+padding rows in a batch. A free list hands out slots in O(1); freeing or resetting a slot zeroes it, so a
+new session or utterance always starts from clean caches. Nothing is allocated per session after start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cosystream.models.contract import CacheSpec
+
+
+class SlabFullError(RuntimeError):
+    """Every slot is in use."""
+
+
+class StateSlab:
+    def __init__(self, specs: list[CacheSpec], max_sessions: int, device: str | torch.device = "cpu"):
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.specs = list(specs)
+        self.max_sessions = max_sessions
+        self.scratch_slot = max_sessions
+        self.device = torch.device(device)
+        self.tensors = [
+            torch.zeros((max_sessions + 1, *spec.shape), dtype=spec.dtype, device=self.device) for spec in specs
+        ]
+        # Popped from the end: slot 0 is handed out first.
+        self._free = list(range(max_sessions - 1, -1, -1))
+        self._in_use = bytearray(max_sessions)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        return self.max_sessions - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.max_sessions and bool(self._in_use[slot])
+
+    def alloc(self) -> int:
+        """A clean slot for a new session; raises ``SlabFullError`` when all are taken."""
+        if not self._free:
+            raise SlabFullError(f"all {self.max_sessions} session slots are in use")
+        slot = self._free.pop()
+        self._in_use[slot] = 1
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return ``slot`` to the free list, zeroed."""
+        self._check(slot)
+        self.reset(slot)
+        self._in_use[slot] = 0
+        self._free.append(slot)
+
+    def reset(self, slot: int) -> None:
+        """Zero every cache of ``slot`` (a new utterance starts from silence)."""
+        for tensor in self.tensors:
+            tensor[slot].zero_()
+
+    def _check(self, slot: int) -> None:
+        if not self.is_allocated(slot):
+            raise ValueError(f"slot {slot} is not allocated")

@@ -1,0 +1,1 @@
+"""gRPC frontend: audio decoding, VAD and endpointing, CTC text, and the servicer."""

@@ -1,0 +1,286 @@
+"""Voice activity per 10 ms frame and the endpointing state machine built on it.
+
+The frontend runs, per session and per frame::
+
+    ring.push(frame)
+    decision = endpointer.feed(vad.is_speech(frame))
+    if decision.started: ...emit SPEECH_STARTED at decision.start_ms
+    if decision.forward_frames: ...send ring.last(decision.forward_frames) to the model
+    if decision.ended: ...emit SPEECH_ENDED (decision.end_reason, decision.end_ms), final
+
+Frames that are not forwarded are dropped, so silence costs nothing downstream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+import webrtcvad
+
+from cosystream.server.audio import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+
+logger = logging.getLogger(__name__)
+
+
+class Vad:
+    """webrtcvad on one 10 ms frame of 16 kHz float32 audio.
+
+    webrtcvad takes only 10/20/30 ms of 16-bit mono PCM, as a bytes-like object whose
+    ``len`` is the byte count (a numpy array or int16 memoryview is rejected), so frames are
+    converted into one preallocated ``bytearray`` through an int16 view of it.
+    """
+
+    __slots__ = ("_pcm", "_pcm_bytes", "_scaled", "_vad")
+
+    def __init__(self, aggressiveness: int = 2) -> None:
+        if not 0 <= aggressiveness <= 3:
+            raise ValueError(f"VAD aggressiveness must be 0..3, got {aggressiveness}")
+        self._vad = webrtcvad.Vad(aggressiveness)
+        self._pcm_bytes = bytearray(FRAME_SAMPLES * 2)
+        self._pcm = np.frombuffer(self._pcm_bytes, dtype="<i2")
+        self._scaled = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+
+    def is_speech(self, frame: np.ndarray) -> bool:
+        """True if webrtcvad classifies this ``[160]`` float32 frame (values in [-1, 1]) as speech."""
+        if frame.shape != (FRAME_SAMPLES,):
+            raise ValueError(f"expected one frame of shape ({FRAME_SAMPLES},), got {frame.shape}")
+        np.multiply(frame, 32768.0, out=self._scaled)
+        np.clip(self._scaled, -32768.0, 32767.0, out=self._scaled)
+        np.copyto(self._pcm, self._scaled, casting="unsafe")
+        return self._vad.is_speech(self._pcm_bytes, SAMPLE_RATE_HZ)
+
+
+class FrameRing:
+    """The last ``capacity`` frames, so pre-roll can be forwarded once speech is confirmed.
+
+    Storage is one ``[capacity, frame_samples]`` array allocated up front; ``push`` copies a
+    frame into the next slot. Size it with :attr:`Endpointer.max_forward_frames`.
+    """
+
+    __slots__ = ("_buf", "_count", "_head", "_offsets", "capacity")
+
+    def __init__(self, capacity: int, frame_samples: int = FRAME_SAMPLES) -> None:
+        if capacity <= 0:
+            raise ValueError(f"FrameRing capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._buf = np.zeros((capacity, frame_samples), dtype=np.float32)
+        self._offsets = np.arange(capacity)
+        self._head = 0  # slot the next push writes
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def push(self, frame: np.ndarray) -> None:
+        """Store one frame, overwriting the oldest when full."""
+        self._buf[self._head] = frame
+        self._head = (self._head + 1) % self.capacity
+        self._count = min(self._count + 1, self.capacity)
+
+    def last(self, k: int) -> np.ndarray:
+        """Copy of the ``k`` most recent frames, oldest first, as ``[k, frame_samples]``."""
+        if not 0 <= k <= self._count:
+            raise ValueError(f"asked for the last {k} frames but the ring holds {self._count}")
+        if k == 1:
+            return self._buf[self._head - 1][None].copy()
+        return self._buf[(self._head - k + self._offsets[:k]) % self.capacity]
+
+    def clear(self) -> None:
+        self._head = 0
+        self._count = 0
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointingConfig:
+    """When utterances start and end. All durations are multiples of the 10 ms frame.
+
+    silence_ms: trailing non-speech that ends an utterance (frames in it are still forwarded).
+    max_utterance_ms: audio forwarded for one utterance (pre-roll included) before a forced final.
+    preroll_ms: audio kept from before the speech run so onsets are not clipped.
+    speech_start_ms: consecutive speech needed to start an utterance, so clicks do not.
+    vad_aggressiveness: webrtcvad mode, 0 (least) to 3 (most aggressive at calling non-speech).
+    """
+
+    silence_ms: int = 500
+    max_utterance_ms: int = 15000
+    preroll_ms: int = 200
+    speech_start_ms: int = 30
+    vad_aggressiveness: int = 2
+
+    def __post_init__(self) -> None:
+        bounds = {
+            "silence_ms": (FRAME_MS, 10_000),
+            "max_utterance_ms": (1_000, 600_000),
+            "preroll_ms": (0, 2_000),
+            "speech_start_ms": (FRAME_MS, 1_000),
+        }
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            if value % FRAME_MS:
+                raise ValueError(f"{name}={value} must be a multiple of {FRAME_MS} ms")
+            if not low <= value <= high:
+                raise ValueError(f"{name}={value} must be between {low} and {high} ms")
+        if self.max_utterance_ms <= self.preroll_ms + self.speech_start_ms:
+            raise ValueError(
+                f"max_utterance_ms={self.max_utterance_ms} must exceed preroll_ms + speech_start_ms "
+                f"({self.preroll_ms + self.speech_start_ms}): raise it or shorten the pre-roll"
+            )
+        if not 0 <= self.vad_aggressiveness <= 3:
+            raise ValueError(f"vad_aggressiveness={self.vad_aggressiveness} must be 0, 1, 2 or 3")
+
+
+class EndReason(StrEnum):
+    """Why an utterance ended (compares equal to its string value)."""
+
+    SILENCE = "silence"
+    MAX_LENGTH = "max_length"
+    FINALIZE = "finalize"
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """What to do after one frame. Frame indices count 10 ms frames from stream start.
+
+    forward_frames: how many of the most recent frames, ending with ``frame_index``, to send
+        to the model now (0 = drop this frame).
+    started / start_frame: SPEECH_STARTED; the utterance's speech begins at ``start_frame``
+        (where the speech run began, not where the pre-roll begins).
+    ended / end_reason / end_frame: SPEECH_ENDED; ``end_frame`` is one past the utterance's
+        last speech frame (trailing silence forwarded as context is not counted).
+    """
+
+    frame_index: int
+    forward_frames: int = 0
+    started: bool = False
+    start_frame: int = -1
+    ended: bool = False
+    end_reason: EndReason | None = None
+    end_frame: int = -1
+
+    @property
+    def first_forward_frame(self) -> int:
+        """Stream frame index of the first forwarded frame (the model's ``first_frame``)."""
+        return self.frame_index - self.forward_frames + 1
+
+    @property
+    def start_ms(self) -> int:
+        return self.start_frame * FRAME_MS
+
+    @property
+    def end_ms(self) -> int:
+        return self.end_frame * FRAME_MS
+
+
+class Endpointer:
+    """Per-session utterance state machine, fed one VAD decision per 10 ms frame.
+
+    Contract, per utterance:
+
+    * SPEECH_STARTED is reported (``started``) in the same decision as, and so before, the
+      utterance's first forwarded frames: the pre-roll, the speech run, and the current frame.
+    * While the utterance is open every frame is forwarded, including the ``silence_ms``
+      hangover, so the model sees trailing context; outside utterances nothing is forwarded.
+    * Each frame is forwarded at most once over the whole stream: pre-roll never reaches
+      back into frames already forwarded for the previous utterance.
+    * An utterance ends exactly once: after ``silence_ms`` of non-speech, when it has
+      forwarded ``max_utterance_ms`` of audio, or on :meth:`finalize`.
+    * An end does not forget the ongoing speech run: if speech continues past a
+      ``max_length`` end (or a mid-speech finalize), the next frame starts a new utterance
+      at once, with no pre-roll (those frames went to the previous one).
+    * Onset needs ``speech_start_ms`` of consecutive speech, so shorter clicks never start
+      an utterance; inside an utterance any speech frame resets the silence count.
+    """
+
+    __slots__ = (
+        "_first_forward",
+        "_frame",
+        "_in_utterance",
+        "_last_speech",
+        "_max_frames",
+        "_next_unforwarded",
+        "_preroll_frames",
+        "_silence_frames",
+        "_silence_run",
+        "_speech_run",
+        "_start_frames",
+        "config",
+    )
+
+    def __init__(self, config: EndpointingConfig | None = None) -> None:
+        self.config = config or EndpointingConfig()
+        self._silence_frames = self.config.silence_ms // FRAME_MS
+        self._max_frames = self.config.max_utterance_ms // FRAME_MS
+        self._preroll_frames = self.config.preroll_ms // FRAME_MS
+        self._start_frames = self.config.speech_start_ms // FRAME_MS
+        self._frame = 0  # index of the next frame fed
+        self._next_unforwarded = 0
+        self._speech_run = 0
+        self._silence_run = 0
+        self._in_utterance = False
+        self._first_forward = 0
+        self._last_speech = -1
+
+    @property
+    def max_forward_frames(self) -> int:
+        """Most frames one decision can forward (pre-roll + speech run): the ring size needed."""
+        return self._preroll_frames + self._start_frames
+
+    @property
+    def in_utterance(self) -> bool:
+        return self._in_utterance
+
+    @property
+    def frames_seen(self) -> int:
+        return self._frame
+
+    def feed(self, is_speech: bool) -> Decision:
+        """Advance one frame and say what to do with it."""
+        i = self._frame
+        self._frame = i + 1
+        self._speech_run = self._speech_run + 1 if is_speech else 0
+
+        if not self._in_utterance:
+            if self._speech_run < self._start_frames:
+                return Decision(i)
+            run_start = i - self._speech_run + 1
+            start = max(run_start, self._next_unforwarded)
+            first = max(run_start - self._preroll_frames, self._next_unforwarded)
+            self._in_utterance = True
+            self._first_forward = first
+            self._last_speech = i
+            self._silence_run = 0
+            self._next_unforwarded = i + 1
+            logger.debug("speech started at frame %d (forwarding from %d)", start, first)
+            return Decision(i, forward_frames=i - first + 1, started=True, start_frame=start)
+
+        self._next_unforwarded = i + 1
+        if is_speech:
+            self._silence_run = 0
+            self._last_speech = i
+        else:
+            self._silence_run += 1
+        if self._silence_run >= self._silence_frames:
+            return self._end(i, 1, EndReason.SILENCE)
+        if i - self._first_forward + 1 >= self._max_frames:
+            return self._end(i, 1, EndReason.MAX_LENGTH)
+        return Decision(i, forward_frames=1)
+
+    def finalize(self) -> Decision:
+        """Client FINALIZE or end of stream: end the open utterance now, if there is one.
+
+        A speech run too short to have started an utterance is dropped.
+        """
+        if not self._in_utterance:
+            return Decision(self._frame - 1)
+        return self._end(self._frame - 1, 0, EndReason.FINALIZE)
+
+    def _end(self, i: int, forward_frames: int, reason: EndReason) -> Decision:
+        self._in_utterance = False
+        self._silence_run = 0
+        logger.debug("speech ended at frame %d (%s)", self._last_speech + 1, reason)
+        return Decision(
+            i, forward_frames=forward_frames, ended=True, end_reason=reason, end_frame=self._last_speech + 1
+        )

@@ -1,0 +1,192 @@
+"""The state slab and the batched runner (CPU; the CUDA-graph tests skip without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cosystream.models import FRAME_SAMPLES
+from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
+from cosystream.runtime.slab import SlabFullError, StateSlab
+from tests.conftest import speech_like
+
+
+def make_runner(model, max_sessions=8, direct=True, device="cpu", graphs=False, max_batch=8) -> Runner:
+    slab = StateSlab(model.cache_specs(), max_sessions, device=device)
+    mode = GraphMode.GRAPHS if graphs else GraphMode.EAGER
+    return Runner(model, slab, RunnerConfig(max_batch=max_batch, graph_mode=mode, direct_state=direct))
+
+
+# --- slab -----------------------------------------------------------------------------------------------
+
+
+def test_slab_alloc_free_reuse(model):
+    slab = StateSlab(model.cache_specs(), 3)
+    assert [t.shape[0] for t in slab.tensors] == [4] * len(slab.tensors)  # + scratch
+    slots = [slab.alloc() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2] and slab.free_slots == 0
+    with pytest.raises(SlabFullError):
+        slab.alloc()
+    slab.free(slots[1])
+    assert slab.alloc() == slots[1]
+    with pytest.raises(ValueError):
+        slab.free(3)  # the scratch slot is never handed out
+    slab.free(slots[0])
+    with pytest.raises(ValueError):
+        slab.free(slots[0])
+
+
+def test_slab_allocates_nothing_per_session(model):
+    slab = StateSlab(model.cache_specs(), 4)
+    pointers = [t.data_ptr() for t in slab.tensors]
+    for _ in range(10):
+        slab.free(slab.alloc())
+    assert [t.data_ptr() for t in slab.tensors] == pointers
+
+
+# --- runner ---------------------------------------------------------------------------------------------
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+class Session:
+    """One stream's audio and the logits the runner returned for it."""
+
+    def __init__(self, runner: Runner, seed: int, seconds: float = 1.0):
+        self.slot = runner.slab.alloc()
+        self.audio = speech_like(seconds, seed)
+        self.frames = len(self.audio) // FRAME_SAMPLES
+        self.next_frame = 0
+        self.logits: list[torch.Tensor] = []
+
+    def take(self, frames: int) -> np.ndarray:
+        chunk = self.audio[self.next_frame * FRAME_SAMPLES : (self.next_frame + frames) * FRAME_SAMPLES]
+        self.next_frame += frames
+        return chunk
+
+    def offline(self, model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.from_numpy(self.audio)[None])[0, : self.next_frame]
+
+
+def run_interleaved(model, runner: Runner, seed: int) -> list[Session]:
+    """Sessions that start at different times, step with different T, in varying batch compositions."""
+    rng = np.random.default_rng(seed)
+    sessions = [Session(runner, seed=10 + i) for i in range(5)]
+    started = 1
+    while any(s.next_frame < s.frames for s in sessions):
+        if started < len(sessions) and rng.random() < 0.3:
+            started += 1
+        live = [s for s in sessions[:started] if s.next_frame < s.frames]
+        if not live:
+            started += 1
+            continue
+        frames_per_step = int(rng.choice(runner.config.frame_buckets))
+        batch = [s for s in live if s.frames - s.next_frame >= frames_per_step and rng.random() < 0.8]
+        if not batch:
+            batch = [s for s in live]
+            frames_per_step = 1
+        rng.shuffle(batch)
+        chunk = np.stack([s.take(frames_per_step) for s in batch])
+        out = runner.run([s.slot for s in batch], chunk, return_logits=True)
+        assert out.ids.shape == out.logprobs.shape == (len(batch), frames_per_step)
+        for row, s in enumerate(batch):
+            s.logits.append(out.logits[row])
+            best = torch.log_softmax(out.logits[row], -1).max(-1)
+            np.testing.assert_array_equal(out.ids[row], best.indices.numpy())
+            np.testing.assert_allclose(out.logprobs[row], best.values.numpy(), rtol=1e-5, atol=1e-5)
+    return sessions
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gather-scatter"])
+def test_interleaved_sessions_equal_their_solo_runs(model, direct):
+    runner = make_runner(model, direct=direct)
+    for s in run_interleaved(model, runner, seed=7):
+        streamed = torch.cat(s.logits)
+        offline = s.offline(model)
+        bound = 1e-4 * max(1.0, offline.abs().max().item())
+        assert (streamed - offline).abs().max().item() <= bound
+
+
+def test_padding_rows_touch_only_the_scratch_slot(model):
+    runner = make_runner(model)
+    slab = runner.slab
+    a, b, c = (slab.alloc() for _ in range(3))
+    idle = slab.alloc()
+    frames = np.stack([speech_like(0.01, seed=i) for i in range(3)])
+    runner.run([a, b, c], frames)  # 3 rows in bucket 4: one padding row
+    assert all(not t[idle].any() for t in slab.tensors)
+    assert any(t[slab.scratch_slot].any() for t in slab.tensors)
+    # The padding row's garbage in the scratch slot never leaks into real rows.
+    before = runner.run([a], speech_like(0.01, seed=9)[None], return_logits=True).logits
+    for tensor in slab.tensors:
+        tensor[slab.scratch_slot].fill_(7)
+    slab.reset(a)
+    runner2 = make_runner(model)
+    s = runner2.slab.alloc()
+    runner2.run([s], frames[:1])
+    after = runner2.run([s], speech_like(0.01, seed=9)[None], return_logits=True).logits
+    torch.testing.assert_close(before, after)
+
+
+def test_freed_slot_starts_clean(model):
+    runner = make_runner(model, max_sessions=2)
+    first = Session(runner, seed=1)
+    runner.run([first.slot], first.take(16)[None])
+    runner.slab.free(first.slot)
+    again = Session(runner, seed=2)
+    assert again.slot == first.slot
+    assert all(not t[again.slot].any() for t in runner.slab.tensors)
+    out = runner.run([again.slot], again.take(16)[None], return_logits=True)
+    torch.testing.assert_close(out.logits[0], again.offline(model), rtol=0, atol=1e-4)
+
+
+def test_run_rejects_bad_shapes(model):
+    runner = make_runner(model)
+    slot = runner.slab.alloc()
+    with pytest.raises(ValueError, match="T in"):
+        runner.run([slot], np.zeros((1, 3 * FRAME_SAMPLES), np.float32))
+    with pytest.raises(ValueError, match="rows"):
+        runner.run([slot], np.zeros((2, FRAME_SAMPLES), np.float32))
+    with pytest.raises(ValueError, match="exceed"):
+        runner.run(list(range(9)), np.zeros((9, FRAME_SAMPLES), np.float32))
+
+
+# --- CUDA graphs ----------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gather-scatter"])
+def test_graph_replay_equals_eager(model, direct):
+    gpu_model = model.to("cuda")
+    try:
+        graphs = make_runner(gpu_model, direct=direct, device="cuda", graphs=True, max_sessions=16, max_batch=16)
+        eager = make_runner(gpu_model, direct=direct, device="cuda", graphs=False, max_sessions=16, max_batch=16)
+        g = run_interleaved(gpu_model, graphs, seed=3)
+        e = run_interleaved(gpu_model, eager, seed=3)
+        for sg, se in zip(g, e, strict=True):
+            torch.testing.assert_close(torch.cat(sg.logits), torch.cat(se.logits), rtol=1e-5, atol=1e-5)
+            offline = se.offline(gpu_model)
+            assert (torch.cat(sg.logits) - offline).abs().max().item() <= 1e-4 * max(1, offline.abs().max().item())
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_no_capture_after_start_up(model):
+    gpu_model = model.to("cuda")
+    try:
+        runner = make_runner(gpu_model, device="cuda", graphs=True, max_sessions=4, max_batch=4)
+        with pytest.raises(RuntimeError, match="after start-up"):
+            runner._graphs.capture(("late", 1), lambda: None)
+    finally:
+        model.to("cpu")
