@@ -37,6 +37,8 @@ class ConvCtcConfig:
     kernel_size: int = 3
     dilations: tuple[int, ...] = (1, 2, 4, 8, 16, 1, 2, 4, 8)
     architecture: str = field(default="conv_ctc")
+    name: str = "conv-ctc"
+    language: str = "en-US"
 
     def __post_init__(self) -> None:
         if len(self.vocabulary) < 2:

@@ -1,0 +1,204 @@
+"""The engine core: sessions' slots, their queued frames, the scheduler and the runner, in one loop.
+
+It runs in the engine process (``engine/process.py``), single-threaded, and knows nothing of gRPC.
+``handle()`` applies what a frontend sent; ``step()`` runs one scheduled model step and files the
+per-frame results into that frontend's outbox; ``take_outbox()`` returns one message per frontend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cosystream.engine import ipc
+from cosystream.engine.scheduler import AdmissionError, Priority, Scheduler, SchedulerConfig, StepPlan
+from cosystream.metrics import EngineMetrics
+from cosystream.models.contract import FRAME_SAMPLES
+from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig
+from cosystream.runtime.slab import StateSlab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_sessions: int = 256
+    max_batch: int = 256
+    frame_buckets: tuple[int, ...] = (1, 4, 16)
+    queue_frames: int = 256  # frames a session may have queued in the engine (2.56 s of audio)
+    deadline_s: float = 0.1
+    batch_step_budget_s: float = 0.004
+    graph_mode: GraphMode = GraphMode.EAGER
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.max_batch < 1:
+            raise ValueError("max_sessions and max_batch must be >= 1")
+        if self.queue_frames < max(self.frame_buckets):
+            raise ValueError("queue_frames must hold at least the largest frame bucket")
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        device: torch.device,
+        metrics: EngineMetrics | None = None,
+    ):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.metrics = metrics
+        self.slab = StateSlab(model.cache_specs(), config.max_sessions, device=device)
+        self.runner = Runner(
+            model,
+            self.slab,
+            RunnerConfig(
+                max_batch=config.max_batch, frame_buckets=config.frame_buckets, graph_mode=config.graph_mode
+            ),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_sessions=config.max_sessions,
+                max_batch=self.runner.max_rows,
+                frame_buckets=config.frame_buckets,
+                realtime_max_frames=min(4, max(config.frame_buckets)),
+                batch_frames=max(config.frame_buckets),
+                deadline_s=config.deadline_s,
+                batch_step_budget_s=config.batch_step_budget_s,
+            )
+        )
+        # Queued audio: a ring of frames per slot; head = next to step, tail = next free.
+        self._queue = np.zeros((config.max_sessions, config.queue_frames, FRAME_SAMPLES), dtype=np.float32)
+        self._head = np.zeros(config.max_sessions, dtype=np.int64)
+        self._tail = np.zeros(config.max_sessions, dtype=np.int64)
+        self._owner: list[tuple[int, int] | None] = [None] * config.max_sessions
+        self._priority: list[Priority] = [Priority.REALTIME] * config.max_sessions
+        self._slot_of: dict[tuple[int, int], int] = {}
+        self._outbox: dict[int, ipc.ToFrontend] = {}
+        self._offsets = np.arange(max(config.frame_buckets))
+
+    # --- frontend messages -----------------------------------------------------------------------
+
+    def handle(self, frontend: int, message: tuple) -> None:
+        ops, keys, counts, arrival_s, frames = message
+        for op in ops:
+            kind, key = op[0], op[1]
+            if kind == ipc.OPEN:
+                self._open(frontend, key, Priority(op[2]))
+            elif kind == ipc.RESET:
+                slot = self._slot_of.get((frontend, key))
+                if slot is not None:
+                    self.slab.reset(slot)
+            elif kind == ipc.CLOSE:
+                slot = self._slot_of.pop((frontend, key), None)
+                if slot is not None:
+                    self._release(slot)
+                    self.scheduler.remove(slot)
+        start = 0
+        for key, count, arrival in zip(keys, counts, arrival_s, strict=True):
+            slot = self._slot_of.get((frontend, key))
+            if slot is not None:
+                self._enqueue(slot, frames[start : start + count], arrival)
+            start += count
+
+    def disconnect(self, frontend: int) -> None:
+        """A frontend went away: free every slot it held."""
+        for (owner, key), slot in list(self._slot_of.items()):
+            if owner == frontend:
+                del self._slot_of[(owner, key)]
+                self._release(slot)
+                self.scheduler.remove(slot)
+        self._outbox.pop(frontend, None)
+
+    def _open(self, frontend: int, key: int, priority: Priority) -> None:
+        try:
+            shed = self.scheduler.admit(priority)
+        except AdmissionError as err:
+            self._box(frontend).events.append((ipc.REJECTED, key, str(err)))
+            return
+        if shed is not None:
+            owner = self._owner[shed]
+            assert owner is not None
+            del self._slot_of[owner]
+            self._release(shed)
+            self._box(owner[0]).events.append(
+                (ipc.SHED, owner[1], "a BATCH session was ended to make room for REALTIME sessions; retry later")
+            )
+        slot = self.slab.alloc()
+        self.scheduler.add(slot, priority)
+        self._owner[slot] = (frontend, key)
+        self._priority[slot] = priority
+        self._slot_of[(frontend, key)] = slot
+        self._box(frontend).events.append((ipc.OPENED, key))
+
+    def _release(self, slot: int) -> None:
+        self._owner[slot] = None
+        self._head[slot] = self._tail[slot] = 0
+        self.slab.free(slot)
+
+    def _enqueue(self, slot: int, frames: np.ndarray, arrival_s: float) -> None:
+        count = len(frames)
+        capacity = self.config.queue_frames
+        if self._tail[slot] - self._head[slot] + count > capacity:
+            # Frontends keep at most queue_frames in flight per session; this is a bug, not load.
+            raise RuntimeError(f"slot {slot}: more than {capacity} frames queued")
+        index = (self._tail[slot] + np.arange(count)) % capacity
+        self._queue[slot, index] = frames
+        self._tail[slot] += count
+        self.scheduler.add_frames(slot, count, arrival_s)
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> StepPlan | None:
+        """Run one scheduled step, if any; its results go to the owners' outboxes."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return None
+        slots = np.asarray(plan.slots)
+        frames = plan.frames
+        index = (self._head[slots][:, None] + self._offsets[:frames]) % self.config.queue_frames
+        pcm = self._queue[slots[:, None], index].reshape(len(slots), frames * FRAME_SAMPLES)
+        self._head[slots] += frames
+        started = time.perf_counter()
+        result = self.runner.run(plan.slots, pcm)
+        compute_s = time.perf_counter() - started
+        self.scheduler.update_cost(plan.rows, frames, compute_s)
+        for row, slot in enumerate(plan.slots):
+            frontend, key = self._owner[slot]
+            box = self._box(frontend)
+            box.keys.append(key)
+            box.ids.append(result.ids[row])
+            box.logprobs.append(result.logprobs[row])
+            box.queue_s.append(plan.queue_wait_s[row])
+            box.compute_s.append(compute_s)
+        if self.metrics is not None:
+            self.metrics.observe_step(
+                plan.priority.name.lower(), plan.rows, frames, compute_s, plan.deadline_misses
+            )
+        return plan
+
+    def active_sessions(self) -> dict[str, int]:
+        counts = {p.name.lower(): 0 for p in Priority}
+        for slot in self._slot_of.values():
+            counts[self._priority[slot].name.lower()] += 1
+        return counts
+
+    # --- outboxes --------------------------------------------------------------------------------
+
+    def _box(self, frontend: int) -> ipc.ToFrontend:
+        box = self._outbox.get(frontend)
+        if box is None:
+            box = self._outbox[frontend] = ipc.ToFrontend()
+        return box
+
+    def take_outbox(self) -> dict[int, ipc.ToFrontend]:
+        boxes, self._outbox = self._outbox, {}
+        return boxes

@@ -1,0 +1,73 @@
+"""The batched channel between frontend processes and the engine process.
+
+One message per tick in each direction and per frontend, not one per audio chunk: a frontend coalesces
+every op and frame its sessions produced during one event-loop iteration; the engine sends each frontend
+the results of one step in one message. Messages are tuples of plain values and numpy arrays over a
+``multiprocessing`` pipe (pickle protocol 5); ``benchmarks/ipc.py`` measures the cost.
+
+Frontend -> engine, ``ToEngine``: ops first (in order), then frames.
+Engine -> frontend, ``ToFrontend``: events first, then results.
+Sessions are named by a key the frontend chooses, so a frontend can send a session's first frames in the
+same message as its OPEN, without waiting for a round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cosystream.models.contract import FRAME_SAMPLES
+
+# Ops, frontend -> engine.
+OPEN = 0  # (OPEN, key, priority)
+RESET = 1  # (RESET, key): zero the session's model state; sent only when none of its frames is in flight
+CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
+
+# Events, engine -> frontend.
+HELLO = 10  # (HELLO, info: dict): the engine is warm; sent once per frontend
+OPENED = 11  # (OPENED, key)
+REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
+SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
+
+
+@dataclass(slots=True)
+class ToEngine:
+    """What one frontend tick sends: control ops, and runs of frames per session key."""
+
+    ops: list[tuple] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    arrival_s: list[float] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)
+
+    def add_frames(self, key: int, frames: np.ndarray, arrival_s: float) -> None:
+        self.keys.append(key)
+        self.counts.append(len(frames))
+        self.arrival_s.append(arrival_s)
+        self.frames.append(frames)
+
+    def __bool__(self) -> bool:
+        return bool(self.ops or self.keys)
+
+    def pack(self) -> tuple:
+        frames = np.concatenate(self.frames) if self.frames else np.zeros((0, FRAME_SAMPLES), dtype=np.float32)
+        return (self.ops, self.keys, self.counts, self.arrival_s, frames)
+
+
+@dataclass(slots=True)
+class ToFrontend:
+    """What one engine step sends a frontend: events, and per session key a run of per-frame results."""
+
+    events: list[tuple] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    ids: list[np.ndarray] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    queue_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.keys)
+
+    def pack(self) -> tuple:
+        return (self.events, self.keys, self.ids, self.logprobs, self.queue_s, self.compute_s)

@@ -1,0 +1,187 @@
+"""The engine process: owns the device, the state slab, the scheduler and the runner.
+
+Frontends connect over a Unix socket (``multiprocessing.connection``). The loop: read what arrived
+(without waiting while there is work), run one scheduled step, send each frontend one message with its
+results. Realtime frames that arrive during a batch step are picked up before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+
+import torch
+
+from cosystream.engine import ipc
+from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.runtime.runner import GraphMode
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+METRICS_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProcessConfig:
+    address: str
+    authkey: bytes
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model_path: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cpu_threads: int = 1
+    log_level: str = "INFO"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but no CUDA device is available")
+    return device
+
+
+def start_engine(config: EngineProcessConfig) -> mp.Process:
+    """Spawn the engine process; frontends then connect to ``config.address``."""
+    process = mp.get_context("spawn").Process(target=engine_main, args=(config,), name="cosystream-engine")
+    process.start()
+    return process
+
+
+def engine_main(config: EngineProcessConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        run_engine(config, stop)
+    except Exception:
+        log.exception("engine failed")
+        raise
+
+
+def build_core(config: EngineProcessConfig) -> EngineCore:
+    from cosystream.metrics import EngineMetrics
+    from cosystream.models import load_model
+
+    device = resolve_device(config.device)
+    if device.type == "cpu":
+        torch.set_num_threads(config.cpu_threads)
+    engine_config = config.engine
+    if device.type != "cuda" and engine_config.graph_mode is GraphMode.GRAPHS:
+        log.info("no CUDA device: running eager")
+        engine_config = EngineConfig(**{**_as_dict(engine_config), "graph_mode": GraphMode.EAGER})
+    started = time.perf_counter()
+    model = load_model(config.model_path, device=device)
+    core = EngineCore(model, engine_config, device, EngineMetrics())
+    warm_up(core)
+    log.info(
+        "engine ready on %s in %.1f s: %d slots, batch buckets %s, %s",
+        device,
+        time.perf_counter() - started,
+        engine_config.max_sessions,
+        core.runner.batch_buckets,
+        engine_config.graph_mode.value,
+    )
+    return core
+
+
+def _as_dict(config: EngineConfig) -> dict:
+    return {name: getattr(config, name) for name in config.__slots__}
+
+
+def warm_up(core: EngineCore) -> None:
+    """Run every (bucket, T) shape once on the scratch slot, so no first request pays for it."""
+    runner = core.runner
+    scratch = runner.slab.scratch_slot
+    with torch.no_grad():
+        for frames in runner.config.frame_buckets:
+            for bucket in (1, runner.batch_buckets[-1]):
+                pcm = torch.zeros((bucket, frames * 160))
+                runner.run([scratch] * bucket, pcm)
+    runner.slab.reset(scratch)
+
+
+def server_info(core: EngineCore, config: EngineProcessConfig) -> dict:
+    model = core.model
+    device = core.device
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model_name": model.config.name,
+        "language": model.config.language,
+        "vocabulary": list(model.vocabulary),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "max_sessions": config.engine.max_sessions,
+        "graph_mode": core.runner.config.graph_mode.value,
+    }
+
+
+def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
+    core = build_core(config)
+    info = server_info(core, config)
+    incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+    listener = Listener(config.address, family="AF_UNIX", authkey=config.authkey)
+    threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()
+    frontends: dict[Connection, int] = {}
+    next_id = 0
+    last_metrics = 0.0
+    try:
+        while not stop.is_set():
+            while not incoming.empty():
+                conn = incoming.get()
+                conn.send(ipc.ToFrontend(events=[(ipc.HELLO, info)]).pack())
+                frontends[conn] = next_id
+                next_id += 1
+            ready = wait(list(frontends), timeout=0 if core.has_work() else IDLE_WAIT_S) if frontends else []
+            if not frontends:
+                time.sleep(IDLE_WAIT_S)
+            for conn in ready:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    core.disconnect(frontends.pop(conn))
+                    conn.close()
+                    continue
+                core.handle(frontends[conn], message)
+            core.step()
+            boxes = core.take_outbox()
+            if boxes:
+                by_id = {frontend: conn for conn, frontend in frontends.items()}
+                for frontend, box in boxes.items():
+                    conn = by_id.get(frontend)
+                    if conn is not None:
+                        try:
+                            conn.send(box.pack())
+                        except OSError:
+                            core.disconnect(frontends.pop(conn))
+            now = time.monotonic()
+            if now - last_metrics > METRICS_PERIOD_S:
+                last_metrics = now
+                core.metrics.set_active(core.active_sessions())
+    finally:
+        listener.close()
+        for conn in frontends:
+            conn.close()
+        if os.path.exists(config.address):
+            os.unlink(config.address)
+        log.info("engine stopped")
+
+
+def _accept(listener: Listener, incoming: queue.SimpleQueue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            incoming.put(listener.accept())
+        except OSError:
+            return
+        except Exception:
+            log.exception("a frontend failed to connect")

@@ -1,0 +1,90 @@
+"""A frontend: one grpc.aio server (the port shared with its siblings via SO_REUSEPORT), connected to the
+engine process, with gRPC health and reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cosystream.metrics import FrontendMetrics
+from cosystream.server.engine_client import EngineClient
+from cosystream.server.servicer import CosyStreamServicer, StreamOptions
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CosyStream"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    max_message_bytes: int = 1 << 20  # a larger request is refused with RESOURCE_EXHAUSTED
+    drain_grace_s: float = 10.0
+    stream: StreamOptions = field(default_factory=StreamOptions)
+
+
+class Frontend:
+    def __init__(self, config: FrontendConfig, engine_address: str, authkey: bytes):
+        self.config = config
+        self.engine = EngineClient(engine_address, authkey)
+        self.server: grpc.aio.Server | None = None
+        self.servicer: CosyStreamServicer | None = None
+        self.health = health.aio.HealthServicer()
+        self.port = config.port
+
+    async def start(self) -> int:
+        """Connect to the engine (waits for it to be warm), then serve; returns the bound port."""
+        await self.engine.connect()
+        self.servicer = CosyStreamServicer(self.engine, self.config.stream, FrontendMetrics())
+        options = [
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.max_send_message_length", 16 << 20),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ]
+        self.server = grpc.aio.server(options=options)
+        pb_grpc.add_CosyStreamServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def drain(self) -> None:
+        """Stop taking sessions, give every open one its final, then stop (within the grace period)."""
+        log.info("draining: %d open sessions", self.servicer.active_streams if self.servicer else 0)
+        await self.health.enter_graceful_shutdown()
+        if self.servicer is not None:
+            self.servicer.drain()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.drain_grace_s
+            while self.servicer.active_streams and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        await self.stop(grace_s=1.0)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        self.engine.close_connection()
+
+    async def wait(self) -> None:
+        if self.server is not None:
+            await self.server.wait_for_termination()

@@ -1,0 +1,79 @@
+"""A whole server on this machine, for ``cosystream transcribe`` without ``--server`` and for tests:
+the engine in its own process, one frontend on an asyncio loop in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+from cosystream.engine.process import EngineProcessConfig, start_engine
+from cosystream.server.frontend import Frontend, FrontendConfig
+
+
+class LocalServer:
+    def __init__(
+        self,
+        process_config: EngineProcessConfig | None = None,
+        frontend_config: FrontendConfig | None = None,
+        **engine_kwargs,
+    ):
+        self._tmp = tempfile.TemporaryDirectory(prefix="cosystream-")
+        address = str(Path(self._tmp.name) / "engine.sock")
+        authkey = os.urandom(16)
+        if process_config is None:
+            process_config = EngineProcessConfig(address=address, authkey=authkey, **engine_kwargs)
+        else:
+            process_config = EngineProcessConfig(
+                **{
+                    **{k: getattr(process_config, k) for k in process_config.__slots__},
+                    "address": address,
+                    "authkey": authkey,
+                }
+            )
+        self.process_config = process_config
+        self.frontend_config = frontend_config or FrontendConfig(host="127.0.0.1", port=0)
+        self.engine_process = None
+        self.frontend: Frontend | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="frontend-loop")
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> LocalServer:
+        self.engine_process = start_engine(self.process_config)
+        self._thread.start()
+        self.frontend = Frontend(self.frontend_config, self.process_config.address, self.process_config.authkey)
+        self.port = self.call(self.frontend.start(), timeout_s)
+        return self
+
+    def call(self, coroutine, timeout_s: float = 30.0):
+        """Run a coroutine on the frontend's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self.frontend is not None:
+            with contextlib.suppress(Exception):
+                self.call(self.frontend.stop(grace_s=0.5))
+        if self.engine_process is not None:
+            self.engine_process.terminate()
+            self.engine_process.join(10)
+            if self.engine_process.is_alive():
+                self.engine_process.kill()
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,300 @@
+"""The gRPC servicer of ``cosystream.v1.CosyStream``: validation, streams, responses, errors.
+
+Each bidi stream is an async generator that yields the responses its ``Session`` emits, while a task
+reads the requests. A client half-close flushes the session and ends the stream with OK after the last
+final; a cancel frees the engine slot at once (``finally``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from cosystream import __version__
+from cosystream.engine.scheduler import Priority
+from cosystream.metrics import FrontendMetrics
+from cosystream.server.audio import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
+from cosystream.server.engine_client import EngineClient
+from cosystream.server.session import Session, SessionConfig
+from cosystream.server.vad import EndpointingConfig
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    idle_timeout_s: float = 30.0
+    max_in_flight_frames: int = 128
+    default_endpointing: EndpointingConfig = field(default_factory=EndpointingConfig)
+    frontends: int = 1
+
+
+class ConfigError(ValueError):
+    """A StreamingConfig the server cannot run; the message says what to fix."""
+
+
+def validate_config(config: pb.StreamingConfig, model_name: str, defaults: EndpointingConfig) -> SessionConfig:
+    if config.encoding not in AudioEncoding._value2member_map_:
+        raise ConfigError(f"unknown encoding {config.encoding}: use LINEAR16, MULAW or ALAW")
+    encoding = AudioEncoding(config.encoding or AudioEncoding.LINEAR16)
+    rate = config.sample_rate_hz
+    if rate == 0:
+        raise ConfigError(f"sample_rate_hz is required ({MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ})")
+    if not MIN_INPUT_RATE_HZ <= rate <= MAX_INPUT_RATE_HZ:
+        raise ConfigError(
+            f"sample_rate_hz={rate} is not supported: use {MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ}"
+        )
+    if config.priority not in (0, Priority.REALTIME, Priority.BATCH):
+        raise ConfigError(f"unknown priority {config.priority}: use REALTIME or BATCH")
+    if config.model not in ("", "default", model_name):
+        raise ConfigError(f"unknown model {config.model!r}: this server runs {model_name!r} (or leave it empty)")
+    requested = config.endpointing
+    try:
+        endpointing = EndpointingConfig(
+            silence_ms=requested.silence_ms or defaults.silence_ms,
+            max_utterance_ms=requested.max_utterance_ms or defaults.max_utterance_ms,
+            preroll_ms=defaults.preroll_ms,
+            speech_start_ms=defaults.speech_start_ms,
+            vad_aggressiveness=requested.vad_aggressiveness or defaults.vad_aggressiveness,
+        )
+    except ValueError as err:
+        raise ConfigError(f"endpointing: {err}") from None
+    return SessionConfig(
+        encoding=encoding,
+        sample_rate_hz=rate,
+        priority=Priority(config.priority or Priority.REALTIME),
+        interim_results=config.interim_results,
+        endpointing=endpointing,
+        word_time_offsets=config.enable_word_time_offsets,
+    )
+
+
+@dataclass(slots=True)
+class _Abort:
+    code: grpc.StatusCode
+    message: str
+
+
+_DONE = object()
+
+
+class _Stream:
+    """The glue between one gRPC stream, its Session and the engine channel."""
+
+    def __init__(self, servicer: CosyStreamServicer, config: SessionConfig):
+        self.servicer = servicer
+        self.engine = servicer.engine
+        self.key = self.engine.new_key()
+        self.session_id = uuid.uuid4().hex[:16]
+        self.priority = config.priority
+        self.responses: asyncio.Queue = asyncio.Queue()
+        self.progress = asyncio.Event()
+        self.finishing = False
+        self.closed = False
+        metrics = servicer.metrics
+        priority_label = config.priority.name.lower()
+        self.session = Session(
+            self.key,
+            self.session_id,
+            config,
+            list(servicer.info["vocabulary"]),
+            self.engine,
+            self.responses.put_nowait,
+            max_in_flight_frames=servicer.options.max_in_flight_frames,
+            on_first_result=metrics.observe_first_result,
+            on_result_latency=lambda s: metrics.observe_result(priority_label, s),
+        )
+        self.reader: asyncio.Task | None = None
+
+    # SessionSink, called by the engine client.
+    def on_opened(self) -> None:
+        log.debug("session %s has an engine slot", self.session_id)
+
+    def on_refused(self, message: str, shed: bool) -> None:
+        self.servicer.metrics.rejected("shed" if shed else "full")
+        self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+    def on_results(self, ids, logprobs, queue_s: float, compute_s: float) -> None:
+        self.session.on_results(ids, logprobs, queue_s, compute_s)
+        self.progress.set()
+        self._check_done()
+
+    def on_engine_lost(self) -> None:
+        self._fail(grpc.StatusCode.UNAVAILABLE, "the engine process stopped; retry on another server")
+
+    def _fail(self, code: grpc.StatusCode, message: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self.responses.put_nowait(_Abort(code, message))
+            self.progress.set()
+
+    def _check_done(self) -> None:
+        if self.finishing and self.session.done and not self.closed:
+            self.closed = True
+            self.responses.put_nowait(_DONE)
+
+    def finish(self) -> None:
+        """No more audio (half-close or drain): flush and end after the last final."""
+        if not self.finishing:
+            self.finishing = True
+            self.session.finish()
+            self._check_done()
+
+    async def read(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
+        session = self.session
+        limit = self.servicer.options.max_in_flight_frames
+        try:
+            while True:
+                try:
+                    request = await asyncio.wait_for(anext(requests), self.servicer.options.idle_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    self.servicer.metrics.rejected("idle_timeout")
+                    self._fail(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no request for {self.servicer.options.idle_timeout_s:g} s: the session was closed",
+                    )
+                    return
+                kind = request.WhichOneof("request")
+                if kind == "audio":
+                    session.feed_audio(request.audio, time.monotonic())
+                    while session.backlog_frames > limit and not self.closed:
+                        self.progress.clear()
+                        await self.progress.wait()
+                elif kind == "control":
+                    if request.control.type == pb.Control.FINALIZE:
+                        session.finalize()
+                    else:
+                        self._fail(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"unknown control type {request.control.type}"
+                        )
+                        return
+                elif kind == "config":
+                    self._fail(grpc.StatusCode.INVALID_ARGUMENT, "StreamingConfig may be sent only once, first")
+                    return
+                else:
+                    self._fail(grpc.StatusCode.INVALID_ARGUMENT, "empty request: set config, audio or control")
+                    return
+                if self.closed:
+                    return
+            self.finish()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("session %s: reading requests failed", self.session_id)
+            self._fail(grpc.StatusCode.INTERNAL, "the server failed to process the audio")
+
+
+class CosyStreamServicer(pb_grpc.CosyStreamServicer):
+    def __init__(self, engine: EngineClient, options: StreamOptions, metrics: FrontendMetrics | None = None):
+        self.engine = engine
+        self.options = options
+        self.metrics = metrics or FrontendMetrics()
+        self.info = engine.info
+        self.draining = False
+        self._streams: set[_Stream] = set()
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._streams)
+
+    async def StreamingRecognize(self, request_iterator, context):
+        requests = aiter(request_iterator)
+        if self.draining:
+            self.metrics.rejected("draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one")
+        try:
+            first = await asyncio.wait_for(anext(requests), self.options.idle_timeout_s)
+        except StopAsyncIteration:
+            self.metrics.rejected("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended before its StreamingConfig")
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no StreamingConfig within the idle timeout")
+        if first.WhichOneof("request") != "config":
+            self.metrics.rejected("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
+        try:
+            config = validate_config(first.config, self.info["model_name"], self.options.default_endpointing)
+        except ConfigError as err:
+            self.metrics.rejected("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not self.engine.connected:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available; retry later")
+
+        stream = _Stream(self, config)
+        self._streams.add(stream)
+        log.info(
+            "session %s opened: %s %d Hz %s",
+            stream.session_id,
+            config.encoding.name,
+            config.sample_rate_hz,
+            config.priority.name,
+        )
+        self.engine.open(stream.key, config.priority, stream)
+        stream.reader = asyncio.create_task(stream.read(requests))
+        outcome = "ok"
+        try:
+            while True:
+                item = await stream.responses.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, _Abort):
+                    outcome = item.code.name
+                    await context.abort(item.code, item.message)
+                yield item
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            stream.closed = True
+            stream.reader.cancel()
+            self.engine.close(stream.key)
+            self._streams.discard(stream)
+            log.info("session %s closed: %s", stream.session_id, outcome)
+
+    async def GetServerInfo(self, request, context):
+        info = self.info
+        defaults = self.options.default_endpointing
+        return pb.ServerInfo(
+            version=__version__,
+            models=[
+                pb.ModelInfo(
+                    name=info["model_name"],
+                    language=info["language"],
+                    sample_rate_hz=16000,
+                    frame_ms=10,
+                    parameters=info["parameters"],
+                    vocabulary=info["vocabulary"],
+                    is_default=True,
+                )
+            ],
+            encodings=[pb.LINEAR16, pb.MULAW, pb.ALAW],
+            min_sample_rate_hz=MIN_INPUT_RATE_HZ,
+            max_sample_rate_hz=MAX_INPUT_RATE_HZ,
+            max_sessions=info["max_sessions"],
+            active_sessions=self.engine.active_sessions,
+            device=info["device"],
+            default_endpointing=pb.EndpointingConfig(
+                silence_ms=defaults.silence_ms,
+                max_utterance_ms=defaults.max_utterance_ms,
+                vad_aggressiveness=defaults.vad_aggressiveness,
+            ),
+            frontends=self.options.frontends,
+        )
+
+    def drain(self) -> None:
+        """Refuse new streams; end every open one after its final."""
+        self.draining = True
+        for stream in list(self._streams):
+            if stream.reader is not None:
+                stream.reader.cancel()
+            stream.finish()

@@ -1,0 +1,284 @@
+"""One stream's frontend work: audio bytes in, frames to the engine; per-frame token ids back, responses out.
+
+Per chunk: decode -> resample to 16 kHz -> exact 10 ms frames -> webrtcvad -> endpointing. Speech frames
+(with a short pre-roll) go to the engine; silence goes nowhere. Results come back as one CTC token id per
+frame, which the decoder turns into text.
+
+Everything a session emits or sends goes through one ordered queue of actions (START, FRAMES, END), so
+the event contract holds by construction: an utterance's frames are sent only after its SPEECH_STARTED,
+its final only after the results of all its frames, and the next utterance's SPEECH_STARTED and frames
+only after that final and the engine-side reset of the model state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cosystream.engine.scheduler import Priority
+from cosystream.server.audio import AudioEncoding, Decoder, Framer, Resampler
+from cosystream.server.ctc import CtcDecoder
+from cosystream.server.vad import Decision, Endpointer, EndpointingConfig, FrameRing, Vad
+from cosystream.v1 import cosystream_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+FRAME_MS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """A validated StreamingConfig."""
+
+    encoding: AudioEncoding
+    sample_rate_hz: int
+    priority: Priority
+    interim_results: bool
+    endpointing: EndpointingConfig
+    word_time_offsets: bool
+
+
+class EngineLink:
+    """What a session needs from the engine channel (``server/engine_client.py`` implements it)."""
+
+    def send_frames(self, key: int, frames: np.ndarray, arrival_s: float) -> None: ...
+
+    def reset(self, key: int) -> None: ...
+
+
+_START, _FRAMES, _END = 0, 1, 2
+
+
+class _Utterance:
+    __slots__ = (
+        "end",
+        "first_frame",
+        "first_result_sent",
+        "index",
+        "received",
+        "sent",
+        "start_frame",
+        "started_s",
+    )
+
+    def __init__(self, index: int, start: Decision, started_s: float):
+        self.index = index
+        self.start_frame = start.start_frame
+        self.first_frame = start.first_forward_frame
+        self.started_s = started_s
+        self.sent = 0
+        self.received = 0
+        self.end: Decision | None = None
+        self.first_result_sent = False
+
+
+class Session:
+    """One stream. ``emit`` receives each response; ``engine`` takes its frames and resets."""
+
+    def __init__(
+        self,
+        key: int,
+        session_id: str,
+        config: SessionConfig,
+        vocabulary: list[str],
+        engine: EngineLink,
+        emit: Callable[[pb.StreamingRecognizeResponse], None],
+        max_in_flight_frames: int = 128,
+        on_first_result: Callable[[float], None] | None = None,
+        on_result_latency: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.key = key
+        self.session_id = session_id
+        self.config = config
+        self.engine = engine
+        self.emit = emit
+        self.max_in_flight_frames = max_in_flight_frames
+        self.on_first_result = on_first_result
+        self.on_result_latency = on_result_latency
+        self.clock = clock
+        self._decoder = Decoder(config.encoding)
+        self._resampler = Resampler(config.sample_rate_hz)
+        self._framer = Framer()
+        self._vad = Vad(config.endpointing.vad_aggressiveness)
+        self._endpointer = Endpointer(config.endpointing)
+        self._ring = FrameRing(max(1, self._endpointer.max_forward_frames))
+        self._ctc = CtcDecoder(vocabulary, FRAME_MS)
+        self._actions: deque[tuple] = deque()
+        self._queued_frames = 0  # frames in _actions, not yet sent
+        self._utterance: _Utterance | None = None
+        self._utterances = 0
+        self._arrivals: deque[tuple[int, float]] = deque()  # (frames sent up to, receive time) per send
+        self._last_queue_s = 0.0
+        self._last_compute_s = 0.0
+
+    # --- input -----------------------------------------------------------------------------------
+
+    def feed_audio(self, chunk: bytes, received_s: float) -> None:
+        """One audio chunk from the client, received at ``received_s`` (monotonic)."""
+        samples = self._resampler.process(self._decoder.decode(chunk))
+        self._frames(self._framer.push(samples), received_s)
+        self._pump()
+
+    def finalize(self) -> None:
+        """Client FINALIZE: end the current utterance now."""
+        self._decide(self._endpointer.finalize(), self.clock())
+        self._pump()
+
+    def finish(self) -> None:
+        """Client half-close: flush the audio still buffered, then end the open utterance."""
+        now = self.clock()
+        self._frames(self._framer.push(self._resampler.flush()), now)
+        if self._framer.pending_samples:
+            self._frames(self._framer.flush_padded(), now)
+        self._decide(self._endpointer.finalize(), now)
+        self._pump()
+
+    @property
+    def backlog_frames(self) -> int:
+        """Frames decided but not yet sent (the reader waits while this is large)."""
+        return self._queued_frames
+
+    @property
+    def done(self) -> bool:
+        """Nothing queued and no utterance waiting for results."""
+        return not self._actions and self._utterance is None
+
+    def _frames(self, frames: np.ndarray, received_s: float) -> None:
+        for frame in frames:
+            self._ring.push(frame)
+            self._decide(self._endpointer.feed(self._vad.is_speech(frame)), received_s)
+
+    def _decide(self, decision: Decision, received_s: float) -> None:
+        if decision.started:
+            self._actions.append((_START, decision, received_s))
+        if decision.forward_frames:
+            frames = self._ring.last(decision.forward_frames)
+            self._actions.append((_FRAMES, frames, received_s))
+            self._queued_frames += len(frames)
+        if decision.ended:
+            self._actions.append((_END, decision, received_s))
+
+    # --- the ordered action queue ------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        while self._actions:
+            kind, payload, received_s = self._actions[0]
+            if kind == _START:
+                if self._utterance is not None:
+                    return  # the previous utterance's final has not been sent yet
+                self._utterance = _Utterance(self._utterances, payload, received_s)
+                self._utterances += 1
+                self._event(pb.SpeechEvent.SPEECH_STARTED, payload.start_ms, received_s)
+            elif kind == _FRAMES:
+                utterance = self._utterance
+                room = self.max_in_flight_frames - (utterance.sent - utterance.received)
+                if room <= 0:
+                    return
+                frames = payload if len(payload) <= room else payload[:room]
+                self.engine.send_frames(self.key, frames, received_s)
+                utterance.sent += len(frames)
+                self._arrivals.append((utterance.sent, received_s))
+                self._queued_frames -= len(frames)
+                if len(frames) < len(payload):
+                    self._actions[0] = (_FRAMES, payload[len(frames) :], received_s)
+                    return
+            else:
+                utterance = self._utterance
+                if utterance.end is None:
+                    utterance.end = payload
+                    self._event(pb.SpeechEvent.SPEECH_ENDED, payload.end_ms, received_s)
+                if utterance.received < utterance.sent:
+                    return  # the final waits for the results of every frame sent
+                self._final(utterance)
+            self._actions.popleft()
+
+    # --- engine results ----------------------------------------------------------------------------
+
+    def on_results(self, ids: np.ndarray, logprobs: np.ndarray, queue_s: float, compute_s: float) -> None:
+        """Per-frame results for this session's frames, in the order they were sent."""
+        utterance = self._utterance
+        if utterance is None:
+            log.warning("session %s: results with no utterance in flight", self.session_id)
+            return
+        first = utterance.first_frame + utterance.received
+        changed = self._ctc.push(ids, logprobs, first)
+        utterance.received += len(ids)
+        self._last_queue_s, self._last_compute_s = queue_s, compute_s
+        if changed and self.config.interim_results and utterance.end is None and self._ctc.text:
+            self._result(utterance, is_final=False)
+        self._pump()
+
+    # --- responses ---------------------------------------------------------------------------------
+
+    def _latency(self, received_s: float) -> pb.Latency:
+        utterance = self._utterance
+        processed = utterance.first_frame + utterance.received if utterance else self._endpointer.frames_seen
+        return pb.Latency(
+            audio_processed_ms=processed * FRAME_MS,
+            queue_ms=self._last_queue_s * 1e3,
+            compute_ms=self._last_compute_s * 1e3,
+            receive_to_send_ms=(self.clock() - received_s) * 1e3,
+        )
+
+    def _event(self, kind: int, offset_ms: int, received_s: float) -> None:
+        self.emit(
+            pb.StreamingRecognizeResponse(
+                speech_event=pb.SpeechEvent(type=kind, offset_ms=offset_ms),
+                latency=self._latency(received_s),
+                session_id=self.session_id,
+            )
+        )
+
+    def _newest_arrival(self, utterance: _Utterance) -> float:
+        """Receive time of the chunk that completed the newest frame with a result."""
+        arrival = self._arrivals[0][1] if self._arrivals else self.clock()
+        while self._arrivals and self._arrivals[0][0] <= utterance.received:
+            arrival = self._arrivals.popleft()[1]
+        return arrival
+
+    def _result(self, utterance: _Utterance, is_final: bool) -> None:
+        received_s = self._newest_arrival(utterance)
+        text = self._ctc.text
+        if utterance.end is not None and is_final:
+            end_ms = utterance.end.end_ms
+        else:
+            end_ms = (utterance.first_frame + utterance.received) * FRAME_MS
+        result = pb.StreamingResult(
+            transcript=text,
+            is_final=is_final,
+            # Greedy CTC output only grows: an interim transcript is a prefix of every later one.
+            stability=1.0,
+            start_ms=utterance.start_frame * FRAME_MS,
+            end_ms=end_ms,
+            utterance_index=utterance.index,
+            confidence=self._ctc.confidence,
+        )
+        if self.config.word_time_offsets:
+            result.words.extend(
+                pb.WordInfo(word=w.word, start_ms=w.start_ms, end_ms=w.end_ms, confidence=w.confidence)
+                for w in self._ctc.words()
+            )
+        response = pb.StreamingRecognizeResponse(
+            results=[result], latency=self._latency(received_s), session_id=self.session_id
+        )
+        self.emit(response)
+        if self.on_result_latency is not None:
+            self.on_result_latency(response.latency.receive_to_send_ms / 1e3)
+        if text and not utterance.first_result_sent:
+            utterance.first_result_sent = True
+            if self.on_first_result is not None:
+                self.on_first_result(self.clock() - utterance.started_s)
+
+    def _final(self, utterance: _Utterance) -> None:
+        self._result(utterance, is_final=True)
+        self._ctc.reset()
+        self._arrivals.clear()
+        self._utterance = None
+        if utterance.sent:
+            self.engine.reset(self.key)

@@ -1,0 +1,1 @@
+"""The generated cosystream.v1 wire API (``scripts/gen_protos.py``; do not edit the generated modules)."""

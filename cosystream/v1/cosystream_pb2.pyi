@@ -1,0 +1,196 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_ENCODING_UNSPECIFIED: _ClassVar[AudioEncoding]
+    LINEAR16: _ClassVar[AudioEncoding]
+    MULAW: _ClassVar[AudioEncoding]
+    ALAW: _ClassVar[AudioEncoding]
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    REALTIME: _ClassVar[Priority]
+    BATCH: _ClassVar[Priority]
+AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
+LINEAR16: AudioEncoding
+MULAW: AudioEncoding
+ALAW: AudioEncoding
+PRIORITY_UNSPECIFIED: Priority
+REALTIME: Priority
+BATCH: Priority
+
+class StreamingRecognizeRequest(_message.Message):
+    __slots__ = ("config", "audio", "control")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    config: StreamingConfig
+    audio: bytes
+    control: Control
+    def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+
+class StreamingConfig(_message.Message):
+    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    INTERIM_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_WORD_TIME_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    encoding: AudioEncoding
+    sample_rate_hz: int
+    priority: Priority
+    interim_results: bool
+    endpointing: EndpointingConfig
+    model: str
+    enable_word_time_offsets: bool
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ...) -> None: ...
+
+class EndpointingConfig(_message.Message):
+    __slots__ = ("silence_ms", "max_utterance_ms", "vad_aggressiveness")
+    SILENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_UTTERANCE_MS_FIELD_NUMBER: _ClassVar[int]
+    VAD_AGGRESSIVENESS_FIELD_NUMBER: _ClassVar[int]
+    silence_ms: int
+    max_utterance_ms: int
+    vad_aggressiveness: int
+    def __init__(self, silence_ms: _Optional[int] = ..., max_utterance_ms: _Optional[int] = ..., vad_aggressiveness: _Optional[int] = ...) -> None: ...
+
+class Control(_message.Message):
+    __slots__ = ("type",)
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[Control.Type]
+        FINALIZE: _ClassVar[Control.Type]
+    TYPE_UNSPECIFIED: Control.Type
+    FINALIZE: Control.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    type: Control.Type
+    def __init__(self, type: _Optional[_Union[Control.Type, str]] = ...) -> None: ...
+
+class StreamingRecognizeResponse(_message.Message):
+    __slots__ = ("results", "speech_event", "latency", "session_id")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_EVENT_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StreamingResult]
+    speech_event: SpeechEvent
+    latency: Latency
+    session_id: str
+    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class StreamingResult(_message.Message):
+    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence")
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    IS_FINAL_FIELD_NUMBER: _ClassVar[int]
+    STABILITY_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    UTTERANCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    transcript: str
+    is_final: bool
+    stability: float
+    start_ms: int
+    end_ms: int
+    words: _containers.RepeatedCompositeFieldContainer[WordInfo]
+    utterance_index: int
+    confidence: float
+    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
+
+class WordInfo(_message.Message):
+    __slots__ = ("word", "start_ms", "end_ms", "confidence")
+    WORD_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    word: str
+    start_ms: int
+    end_ms: int
+    confidence: float
+    def __init__(self, word: _Optional[str] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
+
+class SpeechEvent(_message.Message):
+    __slots__ = ("type", "offset_ms")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[SpeechEvent.Type]
+        SPEECH_STARTED: _ClassVar[SpeechEvent.Type]
+        SPEECH_ENDED: _ClassVar[SpeechEvent.Type]
+    TYPE_UNSPECIFIED: SpeechEvent.Type
+    SPEECH_STARTED: SpeechEvent.Type
+    SPEECH_ENDED: SpeechEvent.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
+    type: SpeechEvent.Type
+    offset_ms: int
+    def __init__(self, type: _Optional[_Union[SpeechEvent.Type, str]] = ..., offset_ms: _Optional[int] = ...) -> None: ...
+
+class Latency(_message.Message):
+    __slots__ = ("audio_processed_ms", "queue_ms", "compute_ms", "receive_to_send_ms")
+    AUDIO_PROCESSED_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_TO_SEND_MS_FIELD_NUMBER: _ClassVar[int]
+    audio_processed_ms: int
+    queue_ms: float
+    compute_ms: float
+    receive_to_send_ms: float
+    def __init__(self, audio_processed_ms: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., receive_to_send_ms: _Optional[float] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    MIN_SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ENDPOINTING_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    encodings: _containers.RepeatedScalarFieldContainer[AudioEncoding]
+    min_sample_rate_hz: int
+    max_sample_rate_hz: int
+    max_sessions: int
+    active_sessions: int
+    device: str
+    default_endpointing: EndpointingConfig
+    frontends: int
+    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "language", "sample_rate_hz", "frame_ms", "parameters", "vocabulary", "is_default")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    FRAME_MS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    language: str
+    sample_rate_hz: int
+    frame_ms: int
+    parameters: int
+    vocabulary: _containers.RepeatedScalarFieldContainer[str]
+    is_default: bool
+    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., frame_ms: _Optional[int] = ..., parameters: _Optional[int] = ..., vocabulary: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ...) -> None: ...
