@@ -231,10 +231,17 @@ class ConvCtcModel(nn.Module):
 
     def forward(self, pcm: torch.Tensor) -> torch.Tensor:
         """The offline pass: ``pcm [B, N] -> logits [B, N // 160, V]`` (a trailing partial frame is dropped)."""
+        return self.encode(self.log_mel(pcm))
+
+    def log_mel(self, pcm: torch.Tensor) -> torch.Tensor:
+        """Offline features: ``pcm [B, N] -> [B, N // 160, n_mels]`` (training augments these)."""
         frames = pcm.shape[1] // HOP_SAMPLES
         audio = F.pad(pcm[:, : frames * HOP_SAMPLES], (self.tail_samples, 0))
-        windows = audio.unfold(1, self.config.window_samples, HOP_SAMPLES)
-        x = torch.relu(self.input_conv(self.features(windows)))
+        return self.features(audio.unfold(1, self.config.window_samples, HOP_SAMPLES))
+
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """Offline network on features: ``[B, T, n_mels] -> logits [B, T, V]``."""
+        x = torch.relu(self.input_conv(features))
         for block in self.blocks:
             x = block(x)
         return self.head(self.out_norm(x))

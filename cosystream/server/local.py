@@ -5,6 +5,7 @@ the engine in its own process, one frontend on an asyncio loop in a background t
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import os
 import tempfile
@@ -26,6 +27,7 @@ class LocalServer:
         address = str(Path(self._tmp.name) / "engine.sock")
         authkey = os.urandom(16)
         if process_config is None:
+            engine_kwargs.setdefault("log_level", logging.getLevelName(logging.getLogger().getEffectiveLevel()))
             process_config = EngineProcessConfig(address=address, authkey=authkey, **engine_kwargs)
         else:
             process_config = EngineProcessConfig(

@@ -1,0 +1,112 @@
+"""The ``cosystream`` command: ``serve`` and ``transcribe``.
+
+Command-line flags and environment variables are read here and nowhere else; everything below receives
+frozen config objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+
+from cosystream import __version__
+
+log = logging.getLogger("cosystream")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+def default_frontends() -> int:
+    """The engine keeps one core busy; the frontends get the rest (at least one, at most eight)."""
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cosystream", description="A real-time streaming speech engine.")
+    parser.add_argument("--version", action="version", version=f"cosystream {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("COSYSTREAM_LOG_LEVEL", "INFO"))
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gRPC server")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics; 0 disables")
+    serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    serve.add_argument("--max-sessions", type=int, default=256)
+    serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
+    serve.add_argument("--model", default=None, help="model directory (default: the embedded English model)")
+    serve.add_argument("--frontends", type=int, default=default_frontends())
+    serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
+    serve.add_argument("--idle-timeout-s", type=float, default=30.0)
+    serve.add_argument("--drain-grace-s", type=float, default=10.0)
+    serve.add_argument("--silence-ms", type=int, default=500, help="default end-of-utterance silence")
+    serve.add_argument("--max-utterance-ms", type=int, default=15000)
+
+    transcribe = commands.add_parser("transcribe", help="transcribe a WAV file")
+    transcribe.add_argument("file")
+    transcribe.add_argument("--server", default=None, help="host:port of a running server (default: in-process)")
+    transcribe.add_argument("--realtime", action="store_true", help="pace the audio at real time (REALTIME)")
+    transcribe.add_argument("--interim", action="store_true", help="print interim results too")
+    transcribe.add_argument("--words", action="store_true", help="print word time offsets")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    if args.command == "serve":
+        return serve(args)
+    from cosystream.transcribe import transcribe_command
+
+    return transcribe_command(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    if args.frontends < 1:
+        sys.exit("--frontends must be >= 1")
+    run_dir = tempfile.mkdtemp(prefix="cosystream-")
+    # Must be set before any process imports prometheus_client (cosystream.metrics).
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", os.path.join(run_dir, "metrics"))
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+
+    from cosystream.engine.core import EngineConfig
+    from cosystream.engine.process import EngineProcessConfig
+    from cosystream.runtime.runner import GraphMode
+    from cosystream.server.frontend import FrontendConfig
+    from cosystream.server.servicer import StreamOptions
+    from cosystream.server.supervisor import Supervisor
+    from cosystream.server.vad import EndpointingConfig
+
+    try:
+        endpointing = EndpointingConfig(silence_ms=args.silence_ms, max_utterance_ms=args.max_utterance_ms)
+        engine = EngineConfig(
+            max_sessions=args.max_sessions,
+            max_batch=args.max_batch or args.max_sessions,
+            graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
+        )
+    except ValueError as err:
+        sys.exit(f"cosystream serve: {err}")
+    process = EngineProcessConfig(
+        address=os.path.join(run_dir, "engine.sock"),
+        authkey=os.urandom(16),
+        engine=engine,
+        model_path=args.model,
+        device=args.device,
+        log_level=args.log_level.upper(),
+    )
+    frontend = FrontendConfig(
+        host=args.host,
+        port=args.port,
+        drain_grace_s=args.drain_grace_s,
+        stream=StreamOptions(
+            idle_timeout_s=args.idle_timeout_s, default_endpointing=endpointing, frontends=args.frontends
+        ),
+    )
+    return Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""``cosystream transcribe FILE``: a WAV file through a running server, or through one started in-process.
+
+Only the public API is used (``cosystream.v1``), the same way any client would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import wave
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHUNK_MS = 100
+
+
+def read_wav(path: str) -> tuple[np.ndarray, int]:
+    """Mono int16 samples and the rate of a PCM WAV file (8/16/24/32-bit; channels are averaged)."""
+    with wave.open(path, "rb") as wav:
+        rate, channels, width = wav.getframerate(), wav.getnchannels(), wav.getsampwidth()
+        raw = wav.readframes(wav.getnframes())
+    if width == 1:
+        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
+    elif width == 2:
+        samples = np.frombuffer(raw, "<i2").astype(np.float32) / 32768
+    elif width == 3:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
+        samples = ((b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8).astype(np.float32) / (1 << 23)
+    elif width == 4:
+        samples = np.frombuffer(raw, "<i4").astype(np.float32) / (1 << 31)
+    else:
+        raise ValueError(f"{path}: unsupported sample width {width}")
+    mono = samples.reshape(-1, channels).mean(axis=1)
+    return (np.clip(mono, -1, 1 - 1 / 32768) * 32768).astype("<i2"), rate
+
+
+def requests(
+    samples: np.ndarray, rate: int, realtime: bool, interim: bool, words: bool
+) -> Iterator[pb.StreamingRecognizeRequest]:
+    priority = pb.REALTIME if realtime else pb.BATCH
+    yield pb.StreamingRecognizeRequest(
+        config=pb.StreamingConfig(
+            encoding=pb.LINEAR16,
+            sample_rate_hz=rate,
+            priority=priority,
+            interim_results=interim,
+            enable_word_time_offsets=words,
+        )
+    )
+    step = rate * CHUNK_MS // 1000
+    start = time.monotonic()
+    for i, offset in enumerate(range(0, len(samples), step)):
+        if realtime:
+            time.sleep(max(0.0, start + i * CHUNK_MS / 1000 - time.monotonic()))
+        yield pb.StreamingRecognizeRequest(audio=samples[offset : offset + step].tobytes())
+
+
+def stream_file(address: str, path: str, realtime: bool = False, interim: bool = False, words: bool = False):
+    """Yield the server's responses for ``path``."""
+    samples, rate = read_wav(path)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.CosyStreamStub(channel)
+        yield from stub.StreamingRecognize(requests(samples, rate, realtime, interim, words))
+
+
+def format_result(result: pb.StreamingResult, words: bool) -> str:
+    span = f"[{result.start_ms / 1000:7.2f} - {result.end_ms / 1000:7.2f}]"
+    line = f"{span} {result.transcript}" if result.is_final else f"{span} ... {result.transcript}"
+    if words and result.words:
+        line += "\n" + " ".join(f"{w.word}@{w.start_ms / 1000:.2f}" for w in result.words)
+    return line
+
+
+def transcribe_command(args: argparse.Namespace) -> int:
+    server = None
+    address = args.server
+    try:
+        if address is None:
+            from cosystream.server.local import LocalServer
+
+            server = LocalServer().start()
+            address = server.address
+        for response in stream_file(address, args.file, args.realtime, args.interim, args.words):
+            for result in response.results:
+                if result.is_final or args.interim:
+                    print(format_result(result, args.words), flush=True)
+    except grpc.RpcError as err:
+        print(f"cosystream transcribe: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, wave.Error) as err:
+        print(f"cosystream transcribe: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
