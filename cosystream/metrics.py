@@ -34,8 +34,17 @@ FIRST_RESULT_LATENCY = Histogram(
 REJECTED = Counter("cosystream_rejected_sessions", "Sessions refused or ended early.", ["reason"])
 
 
+PRIORITIES = ("realtime", "batch")
+REJECT_REASONS = ("full", "shed", "invalid_argument", "draining", "idle_timeout")
+
+
 class EngineMetrics:
     """What the engine process records per step."""
+
+    def __init__(self) -> None:
+        for priority in PRIORITIES:  # every series exists from start-up, at 0
+            FRAMES.labels(priority)
+            ACTIVE_SESSIONS.labels(priority).set(0)
 
     def observe_step(self, priority: str, rows: int, frames: int, seconds: float, deadline_misses: int) -> None:
         FRAMES.labels(priority).inc(rows * frames)
@@ -51,6 +60,12 @@ class EngineMetrics:
 
 class FrontendMetrics:
     """What a frontend process records per session and response."""
+
+    def __init__(self) -> None:
+        for priority in PRIORITIES:
+            RESULT_LATENCY.labels(priority)
+        for reason in REJECT_REASONS:
+            REJECTED.labels(reason)
 
     def observe_result(self, priority: str, seconds: float) -> None:
         RESULT_LATENCY.labels(priority).observe(seconds)

@@ -1,0 +1,46 @@
+"""Test audio: real speech synthesized with espeak-ng, resampled to the rates and encodings clients send."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import tempfile
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soxr
+
+from cosystream.server.audio import encode_alaw, encode_mulaw
+
+needs_espeak = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="needs espeak-ng (apt-get install espeak-ng)"
+)
+
+
+@functools.lru_cache(maxsize=64)
+def speech(text: str, voice: str = "en-us", rate_hz: int = 16000) -> np.ndarray:
+    """``text`` spoken by espeak-ng, float32 mono at ``rate_hz``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "speech.wav"
+        subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True, capture_output=True)
+        with wave.open(str(path)) as wav:
+            source_hz = wav.getframerate()
+            audio = np.frombuffer(wav.readframes(wav.getnframes()), "<i2").astype(np.float32) / 32768
+    return soxr.resample(audio, source_hz, rate_hz).astype(np.float32)
+
+
+def silence(seconds: float, rate_hz: int = 16000) -> np.ndarray:
+    return np.zeros(int(seconds * rate_hz), dtype=np.float32)
+
+
+def encode(audio: np.ndarray, encoding: str) -> bytes:
+    if encoding == "LINEAR16":
+        return (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype("<i2").tobytes()
+    if encoding == "MULAW":
+        return encode_mulaw(audio)
+    if encoding == "ALAW":
+        return encode_alaw(audio)
+    raise ValueError(encoding)

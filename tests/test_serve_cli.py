@@ -1,0 +1,152 @@
+"""``cosystream serve`` as users run it: a subprocess with two frontends, metrics, and a SIGTERM drain."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.speech import encode, needs_espeak, silence, speech
+
+pytestmark = needs_espeak
+
+REQUIRED_METRICS = [
+    "cosystream_active_sessions",
+    "cosystream_frames_total",
+    "cosystream_step_seconds",
+    "cosystream_batch_size",
+    "cosystream_result_latency_seconds",
+    "cosystream_first_result_latency_seconds",
+    "cosystream_deadline_misses_total",
+    "cosystream_rejected_sessions_total",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def served():
+    metrics_port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cosystream.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            str(metrics_port),
+            "--frontends",
+            "2",
+            "--max-sessions",
+            "8",
+            "--drain-grace-s",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log: list[str] = []
+    port = None
+    deadline = time.monotonic() + 60
+    while port is None and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        if m := re.search(r"serving on port (\d+) with", line):
+            port = int(m.group(1))
+    assert port, "server did not start:\n" + "".join(log)
+    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
+    yield process, port, metrics_port, log
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def wait_serving(address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service="cosystream.v1.CosyStream")).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise AssertionError("never SERVING")
+
+
+def test_serve_drains_on_sigterm(served):
+    process, port, metrics_port, log = served
+    address = f"127.0.0.1:{port}"
+    wait_serving(address)
+    # Sessions spread over both frontends (SO_REUSEPORT): open several, each on its own channel.
+    audio = encode(
+        np.concatenate([silence(0.3), speech("one two three four five six seven eight"), silence(2.0)]), "LINEAR16"
+    )
+    started = threading.Event()
+    outcome: dict = {}
+
+    def stream():
+        def requests():
+            yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig(sample_rate_hz=16000))
+            for offset in range(0, len(audio), 320):
+                time.sleep(0.01)
+                yield pb.StreamingRecognizeRequest(audio=audio[offset : offset + 320])
+
+        with grpc.insecure_channel(address) as channel:
+            responses = []
+            try:
+                for response in pb_grpc.CosyStreamStub(channel).StreamingRecognize(requests(), timeout=60):
+                    responses.append(response)
+                    if response.speech_event.type == pb.SpeechEvent.SPEECH_STARTED:
+                        started.set()
+                outcome["responses"] = responses
+            except grpc.RpcError as err:
+                outcome["error"] = err
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert started.wait(30), "no SPEECH_STARTED"
+    active = re.compile(r'^cosystream_active_sessions\{priority="realtime"\} 1\.0', re.M)
+    deadline = time.monotonic() + 5  # the engine publishes its gauges once a second
+    while True:
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        if active.search(metrics) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for name in REQUIRED_METRICS:
+        assert re.search(rf"^{name}", metrics, re.M), f"{name} missing from /metrics"
+    assert active.search(metrics), metrics
+
+    process.send_signal(signal.SIGTERM)
+    client.join(30)
+    assert "error" not in outcome, outcome.get("error")
+    kinds = [r.speech_event.type for r in outcome["responses"] if r.HasField("speech_event")]
+    finals = [res for r in outcome["responses"] for res in r.results if res.is_final]
+    assert kinds == [pb.SpeechEvent.SPEECH_STARTED, pb.SpeechEvent.SPEECH_ENDED]
+    assert len(finals) == 1
+    assert process.wait(30) == 0, "".join(log)
