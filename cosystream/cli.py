@@ -40,10 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="model directory (default: the embedded English model)")
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
+    serve.add_argument(
+        "--batch-window-ms", type=float, default=6.0, help="how long a realtime frame may wait to share a step"
+    )
     serve.add_argument("--idle-timeout-s", type=float, default=30.0)
     serve.add_argument("--drain-grace-s", type=float, default=10.0)
     serve.add_argument("--silence-ms", type=int, default=500, help="default end-of-utterance silence")
     serve.add_argument("--max-utterance-ms", type=int, default=15000)
+    serve.add_argument(
+        "--naive",
+        action="store_true",
+        help="baseline for benchmarks: one process, a model call per chunk, no batching",
+    )
 
     transcribe = commands.add_parser("transcribe", help="transcribe a WAV file")
     transcribe.add_argument("file")
@@ -86,6 +94,7 @@ def serve(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions,
             max_batch=args.max_batch or args.max_sessions,
             graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
+            realtime_batch_window_s=args.batch_window_ms / 1000,
         )
     except ValueError as err:
         sys.exit(f"cosystream serve: {err}")
@@ -105,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout_s, default_endpointing=endpointing, frontends=args.frontends
         ),
     )
-    return Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir).run()
+    return Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir, naive=args.naive).run()
 
 
 if __name__ == "__main__":

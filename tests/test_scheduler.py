@@ -458,3 +458,29 @@ def test_randomized_invariants(seed):
         pass
     assert not sched.has_work() and all(not f for f in frames.values())
     assert arrived == stepped + dropped
+
+
+def test_realtime_batch_window_gathers_rows():
+    clock = FakeClock()
+    sched = Scheduler(SchedulerConfig(max_sessions=8, max_batch=3, realtime_batch_window_s=0.004), clock=clock)
+    for slot in range(4):
+        open_session(sched, slot, RT)
+    sched.add_frames(0, 1, 0.000)
+    clock.now = 0.002
+    assert not sched.has_work() and sched.schedule() is None  # the first frame waits for company
+    assert sched.realtime_due_s() == pytest.approx(0.004)
+    sched.add_frames(1, 1, 0.002)
+    clock.now = 0.004
+    assert sched.schedule().slots == [0, 1]  # due: both share one step
+    # max_batch ready sessions step at once, without waiting out the window.
+    for slot in range(3):
+        sched.add_frames(slot, 1, 0.005)
+    clock.now = 0.005
+    assert sched.schedule().slots == [0, 1, 2]
+    # Frames left over by a full step keep their age: due once their own window has passed.
+    for slot in range(4):
+        sched.add_frames(slot, 1, 0.006)
+    clock.now = 0.006
+    assert sched.schedule().rows == 3 and not sched.has_work()
+    clock.now = 0.010
+    assert sched.schedule().slots == [3]

@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     max_sessions: int = 256
     max_batch: int = 256
-    frame_buckets: tuple[int, ...] = (1, 4, 16)
+    frame_buckets: tuple[int, ...] = (1, 2, 4, 16)
     queue_frames: int = 256  # frames a session may have queued in the engine (2.56 s of audio)
-    deadline_s: float = 0.1
+    deadline_s: float = 0.05
     batch_step_budget_s: float = 0.004
+    realtime_batch_window_s: float = 0.004
     graph_mode: GraphMode = GraphMode.EAGER
 
     def __post_init__(self) -> None:
@@ -66,10 +67,11 @@ class EngineCore:
                 max_sessions=config.max_sessions,
                 max_batch=self.runner.max_rows,
                 frame_buckets=config.frame_buckets,
-                realtime_max_frames=min(4, max(config.frame_buckets)),
+                realtime_max_frames=max(config.frame_buckets),  # a speech onset sends its pre-roll at once
                 batch_frames=max(config.frame_buckets),
                 deadline_s=config.deadline_s,
                 batch_step_budget_s=config.batch_step_budget_s,
+                realtime_batch_window_s=config.realtime_batch_window_s,
             )
         )
         # Queued audio: a ring of frames per slot; head = next to step, tail = next free.
@@ -85,7 +87,9 @@ class EngineCore:
     # --- frontend messages -----------------------------------------------------------------------
 
     def handle(self, frontend: int, message: tuple) -> None:
-        ops, keys, counts, arrival_s, frames = message
+        ops, keys, counts, frames = message
+        # Deadlines and the batching window count from arrival here, in the engine.
+        arrival_s = time.monotonic()
         for op in ops:
             kind, key = op[0], op[1]
             if kind == ipc.OPEN:
@@ -100,10 +104,10 @@ class EngineCore:
                     self._release(slot)
                     self.scheduler.remove(slot)
         start = 0
-        for key, count, arrival in zip(keys, counts, arrival_s, strict=True):
+        for key, count in zip(keys, counts, strict=True):
             slot = self._slot_of.get((frontend, key))
             if slot is not None:
-                self._enqueue(slot, frames[start : start + count], arrival)
+                self._enqueue(slot, frames[start : start + count], arrival_s)
             start += count
 
     def disconnect(self, frontend: int) -> None:
@@ -156,6 +160,13 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def wait_s(self, idle_s: float) -> float:
+        """How long the loop may block waiting for input before a step is due."""
+        if self.scheduler.has_work():
+            return 0.0
+        due = self.scheduler.realtime_due_s()
+        return idle_s if due is None else min(idle_s, max(0.0, due - time.monotonic()))
 
     def step(self) -> StepPlan | None:
         """Run one scheduled step, if any; its results go to the owners' outboxes."""

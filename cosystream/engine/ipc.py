@@ -38,13 +38,11 @@ class ToEngine:
     ops: list[tuple] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
-    arrival_s: list[float] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)
 
-    def add_frames(self, key: int, frames: np.ndarray, arrival_s: float) -> None:
+    def add_frames(self, key: int, frames: np.ndarray) -> None:
         self.keys.append(key)
         self.counts.append(len(frames))
-        self.arrival_s.append(arrival_s)
         self.frames.append(frames)
 
     def __bool__(self) -> bool:
@@ -52,7 +50,7 @@ class ToEngine:
 
     def pack(self) -> tuple:
         frames = np.concatenate(self.frames) if self.frames else np.zeros((0, FRAME_SAMPLES), dtype=np.float32)
-        return (self.ops, self.keys, self.counts, self.arrival_s, frames)
+        return (self.ops, self.keys, self.counts, frames)
 
 
 @dataclass(slots=True)

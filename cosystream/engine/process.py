@@ -7,6 +7,8 @@ results. Realtime frames that arrive during a batch step are picked up before th
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 METRICS_PERIOD_S = 1.0
+STATS_LOG_PERIOD_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,16 @@ def start_engine(config: EngineProcessConfig) -> mp.Process:
     return process
 
 
+def exit_with_parent() -> None:
+    """Linux: have the kernel send SIGTERM to this process when its parent dies, so none is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
+
+
 def engine_main(config: EngineProcessConfig) -> None:
+    exit_with_parent()
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s"
     )
@@ -135,6 +147,8 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
     frontends: dict[Connection, int] = {}
     next_id = 0
     last_metrics = 0.0
+    last_stats = time.monotonic()
+    logged = dataclasses.replace(core.scheduler.stats)
     try:
         while not stop.is_set():
             while not incoming.empty():
@@ -142,7 +156,7 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
                 conn.send(ipc.ToFrontend(events=[(ipc.HELLO, info)]).pack())
                 frontends[conn] = next_id
                 next_id += 1
-            ready = wait(list(frontends), timeout=0 if core.has_work() else IDLE_WAIT_S) if frontends else []
+            ready = wait(list(frontends), timeout=core.wait_s(IDLE_WAIT_S)) if frontends else []
             if not frontends:
                 time.sleep(IDLE_WAIT_S)
             for conn in ready:
@@ -168,6 +182,9 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
             if now - last_metrics > METRICS_PERIOD_S:
                 last_metrics = now
                 core.metrics.set_active(core.active_sessions())
+            if now - last_stats > STATS_LOG_PERIOD_S:
+                logged = log_stats(core, logged, now - last_stats)
+                last_stats = now
     finally:
         listener.close()
         for conn in frontends:
@@ -175,6 +192,28 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
         if os.path.exists(config.address):
             os.unlink(config.address)
         log.info("engine stopped")
+
+
+def log_stats(core: EngineCore, before, period_s: float):
+    """One log line of what the scheduler did since ``before`` (a copy of its stats)."""
+    now = dataclasses.replace(core.scheduler.stats)
+    steps = now.realtime_steps - before.realtime_steps
+    rows = now.realtime_rows - before.realtime_rows
+    frames = now.realtime_frames - before.realtime_frames
+    batch_frames = now.batch_frames - before.batch_frames
+    if steps or batch_frames:
+        log.info(
+            "last %.0f s: %d realtime steps, %.1f rows and %.2f frames per row per step, %d deadline misses;"
+            " %d batch steps, %d batch frames",
+            period_s,
+            steps,
+            rows / max(1, steps),
+            frames / max(1, rows),
+            now.deadline_misses - before.deadline_misses,
+            now.batch_steps - before.batch_steps,
+            batch_frames,
+        )
+    return now
 
 
 def _accept(listener: Listener, incoming: queue.SimpleQueue, stop: threading.Event) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,55 @@ from cosystream.models.features import LogMel
 
 HOP_SAMPLES = 160
 SAMPLE_RATE_HZ = 16000
+
+
+class _RingRows(NamedTuple):
+    read: torch.Tensor  # [B, R] flat rows of the past frames a step's taps read
+    write: torch.Tensor  # [B, W] flat rows its newest frames overwrite
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerPlan:
+    taps: torch.Tensor  # [T * k]: per frame (oldest tap first), its source in cat([past, x], dim=1)
+    newest: torch.Tensor  # [W]: the frames of x that are written to the ring
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPlan:
+    """For one frame count T, which ring rows every layer reads and writes, as offsets from a
+    session's position. Layers are padded to common widths by repeating an entry (a repeated read is
+    harmless; a repeated write stores the same frame twice), so one tensor op serves all layers."""
+
+    read_offsets: torch.Tensor  # [layers, R], negative
+    write_offsets: torch.Tensor  # [layers, W]
+    layers: tuple[_LayerPlan, ...]
+
+    @staticmethod
+    def build(shifts: list[list[int]], frames: int, device: torch.device) -> _StepPlan:
+        reads, writes, layers = [], [], []
+        for layer_shifts in shifts:
+            size = layer_shifts[0]  # the oldest tap reaches back the whole ring
+            past = sorted({j - s for s in layer_shifts for j in range(frames) if j - s < 0})
+            slot_of = {offset: i for i, offset in enumerate(past)}
+            taps = [
+                slot_of[j - s] if j - s < 0 else len(past) + j - s for j in range(frames) for s in layer_shifts
+            ]
+            kept = list(range(frames - min(frames, size), frames))
+            reads.append(past)
+            writes.append(kept)
+            layers.append((taps, kept, len(past)))
+        width_r, width_w = max(map(len, reads)), max(map(len, writes))
+        read_offsets = [r + [r[-1]] * (width_r - len(r)) for r in reads]
+        write_offsets = [w + [w[-1]] * (width_w - len(w)) for w in writes]
+        plans = []
+        for (taps, kept, n_past), padded in zip(layers, read_offsets, strict=True):
+            # Taps index cat([past (padded to width_r), x]): shift the x part past the padding.
+            taps = [t if t < n_past else t - n_past + len(padded) for t in taps]
+            kept = kept + [kept[-1]] * (width_w - len(kept))
+            plans.append(_LayerPlan(torch.tensor(taps, device=device), torch.tensor(kept, device=device)))
+        return _StepPlan(
+            torch.tensor(read_offsets, device=device), torch.tensor(write_offsets, device=device), tuple(plans)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,40 +141,25 @@ class CausalConv(nn.Module):
         """How many frames back each tap reads, oldest first (the last tap is the current frame)."""
         return [(self.kernel_size - 1 - j) * self.dilation for j in range(self.kernel_size)]
 
-    def step_one(self, x: torch.Tensor, rings: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One frame ``x [B, 1, C_in]``; ``rows [B, k]``: flat rows of ``rings`` for each tap (see below).
+    def step_rows(self, x: torch.Tensor, rings: torch.Tensor, rows: _RingRows, plan: _LayerPlan) -> torch.Tensor:
+        """Step ``x [B, T, C_in]`` against ``rings [S, size, C_in]``, reading and writing only the rows named.
 
-        ``rows[:, j]`` is the row of ``rings.view(-1, C_in)`` that holds tap ``j``'s frame; the last tap is
-        the current frame, whose row is written. Precomputed for all layers at once by the model, since
-        per-layer index arithmetic would cost more than the reads.
+        ``rows.read [B, R]`` are the flat rows (of ``rings.view(-1, C_in)``) of the past frames the taps
+        need; ``rows.write [B, W]`` where the newest frames go. Reads happen before writes: a new frame
+        overwrites the one ``size`` frames older, which may be one of its own taps.
         """
-        flat = rings.view(-1, rings.shape[-1])
-        batch = x.shape[0]
-        past = flat.index_select(0, rows[:, :-1].reshape(-1)).view(batch, -1)
-        flat.index_copy_(0, rows[:, -1], x[:, 0])
-        return self._matmul(torch.cat([past, x[:, 0]], dim=-1).unsqueeze(1))
-
-    def step_slots(
-        self, x: torch.Tensor, rings: torch.Tensor, slots: torch.Tensor, position: torch.Tensor
-    ) -> torch.Tensor:
-        """Step ``x [B, T, C_in]`` for the rows ``slots`` of ``rings [S, size, C_in]``, in place.
-
-        ``position [B]`` is the index of each row's first new frame. Only the rows a step needs are read and
-        only the newest frames are written.
-        """
-        frames = x.shape[1]
-        size = self.context
-        if size == 0:
-            return self._matmul(x)
-        # Several frames: read the ring in time order and convolve over [ring, x].
-        offsets = torch.arange(size, device=x.device)
-        window = torch.cat([rings[slots[:, None], (position[:, None] + offsets) % size], x], dim=1)
-        taps = [window[:, j * self.dilation : j * self.dilation + frames] for j in range(self.kernel_size)]
-        # Write back the newest min(T, size) frames; distinct rows, so the scatter is deterministic.
-        kept = min(frames, size)
-        newest = torch.arange(frames - kept, frames, device=x.device)
-        rings[slots[:, None], (position[:, None] + newest) % size] = x[:, frames - kept :]
-        return self._matmul(torch.cat(taps, dim=-1))
+        batch, frames, channels = x.shape
+        flat = rings.view(-1, channels)
+        past = flat.index_select(0, rows.read.reshape(-1)).view(batch, -1, channels)
+        if frames == 1 and past.shape[1] == self.kernel_size - 1:
+            window = torch.cat([past.view(batch, -1), x.view(batch, -1)], dim=1)
+            flat.index_copy_(0, rows.write.reshape(-1), x.view(batch, channels))
+        else:
+            source = torch.cat([past, x], dim=1)
+            window = source.index_select(1, plan.taps).view(batch * frames, -1)
+            newest = x.index_select(1, plan.newest).reshape(-1, channels)
+            flat.index_copy_(0, rows.write.reshape(-1), newest)
+        return self._matmul(window.view(batch, frames, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         padded = F.pad(x.transpose(1, 2), (self.context, 0))
@@ -141,13 +175,8 @@ class ResidualBlock(nn.Module):
         self.norm = nn.LayerNorm(channels)
         self.conv = CausalConv(channels, channels, kernel_size, dilation)
 
-    def step_slots(
-        self, x: torch.Tensor, rings: torch.Tensor, slots: torch.Tensor, position: torch.Tensor
-    ) -> torch.Tensor:
-        return x + torch.relu(self.conv.step_slots(self.norm(x), rings, slots, position))
-
-    def step_one(self, x: torch.Tensor, rings: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.conv.step_one(self.norm(x), rings, rows))
+    def step_rows(self, x: torch.Tensor, rings: torch.Tensor, rows: _RingRows, plan: _LayerPlan) -> torch.Tensor:
+        return x + torch.relu(self.conv.step_rows(self.norm(x), rings, rows, plan))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.relu(self.conv(self.norm(x)))
@@ -172,9 +201,8 @@ class ConvCtcModel(nn.Module):
         self.head = nn.Linear(config.channels, len(self.vocabulary))
         if config.kernel_size < 2:
             raise ValueError("kernel_size must be >= 2 (a kernel of 1 has no time context)")
-        convs = self._convs()
-        self.register_buffer("_ring_sizes", torch.tensor([c.context for c in convs]), persistent=False)
-        self.register_buffer("_tap_shifts", torch.tensor([c.tap_shifts() for c in convs]), persistent=False)
+        self.register_buffer("_ring_sizes", torch.tensor([c.context for c in self._convs()]), persistent=False)
+        self._plans: dict[tuple[int, torch.device], _StepPlan] = {}
 
     def _convs(self) -> list[CausalConv]:
         return [self.input_conv, *(block.conv for block in self.blocks)]
@@ -215,19 +243,25 @@ class ConvCtcModel(nn.Module):
         tails[slots] = audio[:, frames * HOP_SAMPLES :]
         positions[slots] = position + frames
         windows = audio.unfold(1, self.config.window_samples, HOP_SAMPLES)
-        features = self.features(windows)
-        if frames == 1:
-            # Flat ring rows of every tap of every layer at once: [layers, B, k].
-            sizes = self._ring_sizes[:, None, None]
-            rows = (position[None, :, None] - self._tap_shifts[:, None, :]) % sizes + slots[None, :, None] * sizes
-            x = torch.relu(self.input_conv.step_one(features, slab[2], rows[0]))
-            for layer, (block, rings) in enumerate(zip(self.blocks, slab[3:], strict=True), start=1):
-                x = block.step_one(x, rings, rows[layer])
-        else:
-            x = torch.relu(self.input_conv.step_slots(features, slab[2], slots, position))
-            for block, rings in zip(self.blocks, slab[3:], strict=True):
-                x = block.step_slots(x, rings, slots, position)
+        plan = self._plan(frames, pcm.device)
+        # Flat ring rows of every layer at once: [layers, B, R] to read and [layers, B, W] to write.
+        sizes = self._ring_sizes[:, None, None]
+        base = slots[None, :, None] * sizes
+        read = (position[None, :, None] + plan.read_offsets[:, None, :]) % sizes + base
+        write = (position[None, :, None] + plan.write_offsets[:, None, :]) % sizes + base
+        x = self.features(windows)
+        x = torch.relu(self.input_conv.step_rows(x, slab[2], _RingRows(read[0], write[0]), plan.layers[0]))
+        for layer, (block, rings) in enumerate(zip(self.blocks, slab[3:], strict=True), start=1):
+            x = block.step_rows(x, rings, _RingRows(read[layer], write[layer]), plan.layers[layer])
         return self.head(self.out_norm(x))
+
+    def _plan(self, frames: int, device: torch.device) -> _StepPlan:
+        """Index tables for a step of ``frames`` frames (built once per frame count and device)."""
+        key = (frames, device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _StepPlan.build([c.tap_shifts() for c in self._convs()], frames, device)
+        return plan
 
     def forward(self, pcm: torch.Tensor) -> torch.Tensor:
         """The offline pass: ``pcm [B, N] -> logits [B, N // 160, V]`` (a trailing partial frame is dropped)."""

@@ -88,8 +88,8 @@ class EngineClient:
         self._pending.ops.append((ipc.OPEN, key, int(priority)))
         self._schedule_flush()
 
-    def send_frames(self, key: int, frames: np.ndarray, arrival_s: float) -> None:
-        self._pending.add_frames(key, frames, arrival_s)
+    def send_frames(self, key: int, frames: np.ndarray) -> None:
+        self._pending.add_frames(key, frames)
         self._schedule_flush()
 
     def reset(self, key: int) -> None:

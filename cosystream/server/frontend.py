@@ -33,9 +33,9 @@ class FrontendConfig:
 
 
 class Frontend:
-    def __init__(self, config: FrontendConfig, engine_address: str, authkey: bytes):
+    def __init__(self, config: FrontendConfig, engine_address: str, authkey: bytes, engine=None):
         self.config = config
-        self.engine = EngineClient(engine_address, authkey)
+        self.engine = engine if engine is not None else EngineClient(engine_address, authkey)
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
         self.health = health.aio.HealthServicer()

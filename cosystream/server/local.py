@@ -5,8 +5,8 @@ the engine in its own process, one frontend on an asyncio loop in a background t
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
+import logging
 import os
 import tempfile
 import threading

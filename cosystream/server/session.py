@@ -46,7 +46,7 @@ class SessionConfig:
 class EngineLink:
     """What a session needs from the engine channel (``server/engine_client.py`` implements it)."""
 
-    def send_frames(self, key: int, frames: np.ndarray, arrival_s: float) -> None: ...
+    def send_frames(self, key: int, frames: np.ndarray) -> None: ...
 
     def reset(self, key: int) -> None: ...
 
@@ -181,7 +181,7 @@ class Session:
                 if room <= 0:
                     return
                 frames = payload if len(payload) <= room else payload[:room]
-                self.engine.send_frames(self.key, frames, received_s)
+                self.engine.send_frames(self.key, frames)
                 utterance.sent += len(frames)
                 self._arrivals.append((utterance.sent, received_s))
                 self._queued_frames -= len(frames)

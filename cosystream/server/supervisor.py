@@ -15,7 +15,7 @@ import shutil
 import signal
 from dataclasses import replace
 
-from cosystream.engine.process import EngineProcessConfig, start_engine
+from cosystream.engine.process import EngineProcessConfig, exit_with_parent, start_engine
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.server.frontend import Frontend, FrontendConfig
 
@@ -26,6 +26,7 @@ def frontend_main(config: FrontendConfig, address: str, authkey: bytes, log_leve
     """Entry point of a spawned frontend process."""
     from cosystream.cli import LOG_FORMAT
 
+    exit_with_parent()
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
 
     async def run() -> None:
@@ -49,15 +50,19 @@ class Supervisor:
         frontends: int,
         metrics_port: int,
         run_dir: str,
+        naive: bool = False,
     ):
         self.process = process
         self.frontend_config = frontend
         self.frontends = frontends
         self.metrics_port = metrics_port
         self.run_dir = run_dir
+        self.naive = naive
         self.children: list[mp.Process] = []
 
     def run(self) -> int:
+        if self.naive:
+            return asyncio.run(self._serve_naive())
         engine = start_engine(self.process)
         try:
             return asyncio.run(self._serve(engine))
@@ -73,6 +78,24 @@ class Supervisor:
                 engine.kill()
             process_exited(engine.pid)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def _serve_naive(self) -> int:
+        """One process, the model called per chunk as it arrives: the benchmarks' baseline."""
+        from cosystream.server.naive import NaiveEngine
+
+        engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions)
+        frontend = Frontend(self.frontend_config, "", b"", engine=engine)
+        port = await frontend.start()
+        if self.metrics_port:
+            serve_metrics(self.metrics_port)
+        log.info("cosystream serving on port %d with 1 frontend(s) (naive mode: no engine, no batching)", port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        await frontend.drain()
+        return 0
 
     async def _serve(self, engine: mp.Process) -> int:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,141 @@
+"""Shared by the end-to-end benchmarks: start ``cosystream serve`` in a subprocess, measure its CPU time,
+and run the latency probe (``clients/latency_probe.py``) in another process against it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU of ``root`` and all its descendants (live ones)."""
+    tree = _children()
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        stack.extend(tree.get(pid, []))
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+class Server:
+    """``cosystream serve`` on free ports; ``with Server(...) as s: s.address``."""
+
+    def __init__(self, *extra: str):
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.args = [
+            sys.executable,
+            "-m",
+            "cosystream.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *extra,
+        ]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def __enter__(self) -> Server:
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.metrics_port)) == 0:
+                    return self
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.log.seek(0)
+        raise RuntimeError("server did not start:\n" + self.log.read().decode())
+
+    def __exit__(self, *exc) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def probe(server: Server, *args: str) -> tuple[dict, float]:
+    """Run the latency probe in its own process; returns its JSON and the server's CPU seconds meanwhile."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        before = cpu_seconds(server.process.pid)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "clients" / "latency_probe.py"),
+                "--server",
+                server.address,
+                "--metrics-url",
+                server.metrics_url,
+                "--json",
+                out.name,
+                *args,
+            ],
+            check=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        cpu = cpu_seconds(server.process.pid) - before
+        return json.loads(Path(out.name).read_text()), cpu
+
+
+def p(entry: dict, metric: str, q: str = "p99") -> float:
+    value = entry[metric][q]
+    return float("nan") if value is None else value
+
+
+def dump(result: dict, path: str | None) -> None:
+    print(json.dumps(result, indent=2))
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2))

@@ -1,0 +1,105 @@
+"""End-to-end capacity: how many REALTIME streams one server carries with p99 <= 20 ms and no misses.
+
+For each mode (the engine, and the naive baseline: one process, a model call per chunk, no batching) and
+chunk size (10 ms, 20 ms), runs the latency probe from a separate process at growing stream counts and
+records chunk-to-result latency p50/p99, deadline misses and the server's CPU per second of audio; the
+largest passing count is the capacity. Prints JSON and a table.
+
+    python benchmarks/capacity.py                        # both modes, 10 and 20 ms chunks
+    python benchmarks/capacity.py --modes engine --chunk-ms 10 --counts 40 80 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from benchmarks._harness import Server, dump, p, probe
+
+DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": [2, 4, 6, 8, 10, 12, 16, 20, 30]}
+P99_LIMIT_MS = 20.0
+
+
+def measure(mode: str, chunk_ms: int, counts: list[int], duration_s: float, frontends: int) -> dict:
+    extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends)]
+    runs = []
+    with Server("--max-sessions", str(max(counts) + 8), *extra) as server:
+        for count in counts:
+            result, cpu_s = probe(
+                server,
+                "--realtime",
+                str(count),
+                "--chunk-ms",
+                str(chunk_ms),
+                "--duration",
+                str(duration_s),
+                "--ramp-s",
+                "1",
+            )
+            rt = result["classes"]["realtime"]
+            run = {
+                "streams": count,
+                "p50_ms": p(rt, "chunk_latency_ms", "p50"),
+                "p99_ms": p(rt, "chunk_latency_ms", "p99"),
+                "first_result_p50_ms": p(rt, "first_result_ms", "p50"),
+                "deadline_misses": rt["deadline_misses"],
+                "errors": rt["errors"],
+                "audio_s": rt["audio_seconds"],
+                "server_cpu_ms_per_audio_s": 1e3 * cpu_s / rt["audio_seconds"]
+                if rt["audio_seconds"]
+                else math.nan,
+            }
+            run["passed"] = run["p99_ms"] <= P99_LIMIT_MS and run["deadline_misses"] == 0 and run["errors"] == 0
+            runs.append(run)
+            print(
+                f"{mode:>6} {chunk_ms:>3} ms x{count:<4} p50 {run['p50_ms']:7.1f} p99 {run['p99_ms']:8.1f}"
+                f" misses {run['deadline_misses']:>5} cpu/audio-s {run['server_cpu_ms_per_audio_s']:6.1f} ms",
+                file=sys.stderr,
+            )
+            if not run["passed"] and len(runs) >= 2 and not runs[-2]["passed"]:
+                break  # two failures in a row: past capacity
+    passing = [r["streams"] for r in runs if r["passed"]]
+    return {"mode": mode, "chunk_ms": chunk_ms, "capacity": max(passing, default=0), "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", default=["engine", "naive"], choices=["engine", "naive"])
+    parser.add_argument("--chunk-ms", type=int, nargs="+", default=[10, 20])
+    parser.add_argument("--counts", type=int, nargs="+", default=None, help="stream counts to try (ascending)")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per run")
+    parser.add_argument("--frontends", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    results = [
+        measure(mode, chunk_ms, args.counts or DEFAULT_COUNTS[mode], args.duration, args.frontends)
+        for chunk_ms in args.chunk_ms
+        for mode in args.modes
+    ]
+    summary = {"p99_limit_ms": P99_LIMIT_MS, "results": results}
+    for chunk_ms in args.chunk_ms:
+        by_mode = {r["mode"]: r["capacity"] for r in results if r["chunk_ms"] == chunk_ms}
+        if by_mode.get("naive"):
+            summary[f"ratio_{chunk_ms}ms"] = by_mode.get("engine", 0) / by_mode["naive"]
+    dump(summary, args.json)
+    print(
+        f"\n{'mode':>6} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8} {'misses':>7} {'cpu ms/s':>9}  pass"
+    )
+    for result in results:
+        for run in result["runs"]:
+            print(
+                f"{result['mode']:>6} {result['chunk_ms']:>4}ms {run['streams']:>8} {run['p50_ms']:>8.1f}"
+                f" {run['p99_ms']:>8.1f} {run['deadline_misses']:>7} {run['server_cpu_ms_per_audio_s']:>9.1f}"
+                f"  {'yes' if run['passed'] else 'no'}"
+            )
+    for result in results:
+        print(f"capacity {result['mode']} at {result['chunk_ms']} ms chunks: {result['capacity']} streams")
+    for key, value in summary.items():
+        if key.startswith("ratio"):
+            print(f"{key}: engine/naive = {value:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

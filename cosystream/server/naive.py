@@ -1,0 +1,84 @@
+"""The naive baseline for benchmarks: no engine process, no batching, no scheduler.
+
+Each chunk's frames go through the model as they arrive, one session at a time, on the frontend's own
+event loop (``cosystream serve --naive``). Same sessions, VAD and decoding as the real server, so the
+capacity benchmark's ratio measures what the engine design buys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import torch
+
+from cosystream.engine.scheduler import Priority
+from cosystream.models import load_model
+from cosystream.server.engine_client import SessionSink
+
+
+class NaiveEngine:
+    """Implements the EngineClient calls the servicer and sessions use, stepping the model inline."""
+
+    def __init__(self, model_path: str | None, max_sessions: int):
+        torch.set_num_threads(1)
+        self.model = load_model(model_path)
+        self.max_sessions = max_sessions
+        self.info = {
+            "device": "cpu",
+            "model_name": self.model.config.name,
+            "language": self.model.config.language,
+            "vocabulary": list(self.model.vocabulary),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "max_sessions": max_sessions,
+            "graph_mode": "eager",
+        }
+        self.connected = False
+        self._sinks: dict[int, SessionSink] = {}
+        self._caches: dict[int, list[torch.Tensor]] = {}
+        self._next_key = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def connect(self) -> dict:
+        self._loop = asyncio.get_running_loop()
+        self.connected = True
+        return self.info
+
+    def close_connection(self) -> None:
+        self.connected = False
+
+    def new_key(self) -> int:
+        self._next_key += 1
+        return self._next_key
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sinks)
+
+    def open(self, key: int, priority: Priority, sink: SessionSink) -> None:
+        if len(self._sinks) >= self.max_sessions:
+            self._loop.call_soon(sink.on_refused, f"all {self.max_sessions} session slots are in use", False)
+            return
+        self._sinks[key] = sink
+        self._caches[key] = self.model.init_caches(1)
+        self._loop.call_soon(sink.on_opened)
+
+    def send_frames(self, key: int, frames: np.ndarray) -> None:
+        sink = self._sinks.get(key)
+        if sink is None:
+            return
+        started = time.perf_counter()
+        with torch.inference_mode():
+            logits, self._caches[key] = self.model.step(torch.from_numpy(frames.reshape(1, -1)), self._caches[key])
+            best, ids = torch.log_softmax(logits[0], -1).max(-1)
+        compute_s = time.perf_counter() - started
+        self._loop.call_soon(sink.on_results, ids.numpy(), best.numpy(), 0.0, compute_s)
+
+    def reset(self, key: int) -> None:
+        if key in self._caches:
+            self._caches[key] = self.model.init_caches(1)
+
+    def close(self, key: int) -> None:
+        self._sinks.pop(key, None)
+        self._caches.pop(key, None)

@@ -1,0 +1,120 @@
+"""The training pipeline end to end on a toy corpus: synthesis -> CTC steps -> export -> load -> streaming.
+
+Fast (well under 30 s on one CPU thread): three espeak-ng sentences, a tiny ConvCtcConfig, 40 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosystream.models import FRAME_SAMPLES, load_model
+
+pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng")
+
+SENTENCES = ["the cat sat on the mat", "a big red dog ran home", "we like to sing songs"]
+TINY = {"channels": 32, "dilations": [1, 2, 4]}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    from training import corpus, train
+
+    root = tmp_path_factory.mktemp("training")
+    data = root / "corpus"
+    (data / "train").mkdir(parents=True)
+    (data / "eval").mkdir()
+    voices = [corpus.Voice("espeak", "en-us"), corpus.Voice("espeak", "en-gb+f3")]
+    items = [(s, v) for s in SENTENCES for v in voices]
+    audios = corpus.synthesize(items, root)
+    assert all(a is not None for a in audios)
+    texts, labels = [t for t, _ in items], [v.label for _, v in items]
+    corpus.save_shard(data / "train" / "shard_00000.npz", audios, texts, labels)
+    corpus.save_shard(data / "eval" / "train_voices.npz", audios[:2], texts[:2], labels[:2])
+    run = root / "run"
+    train.main([
+        "--corpus", str(data), "--run", str(run), "--total-steps", "40", "--warmup", "5", "--peak-lr", "1e-2",
+        "--batch-seconds", "30", "--log-every", "5", "--no-augment", "--config", json.dumps(TINY),
+        "--eval-limit", "2",
+    ])
+    return run
+
+
+def test_loss_decreases(trained):
+    records = [json.loads(line) for line in (trained / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("event") == "train"]
+    assert len(losses) >= 4
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert any(r.get("event") == "eval" for r in records)
+    assert (trained / "last.pt").exists() and (trained / "best.pt").exists()
+
+
+def test_resume_continues_from_checkpoint(trained, tmp_path):
+    """A second run on the same directory resumes at the saved step instead of starting over."""
+    from training import train
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    corpus_dir = trained.parent / "corpus"
+    train.main(["--corpus", str(corpus_dir), "--run", str(run), "--total-steps", "40", "--max-steps", "42",
+                "--no-augment", "--log-every", "1", "--eval-limit", "1"])
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r.get("event") == "resumed"]
+    assert resumed and resumed[-1]["step"] == 40
+    assert [r["step"] for r in records if r.get("event") == "train"][-2:] == [41, 42]
+
+
+def test_export_round_trip_and_streaming(trained, tmp_path):
+    from training.export import export, model_from_checkpoint
+
+    model, _ = model_from_checkpoint(trained / "best.pt")
+    out = tmp_path / "default"
+    export(model, out)
+    assert {p.name for p in out.iterdir()} >= {"config.json", "vocabulary.json", "model.safetensors"}
+    loaded = load_model(out)
+    assert json.loads((out / "vocabulary.json").read_text())[0] == "<blank>"
+    # The normalization statistics travelled with the weights.
+    assert not torch.allclose(loaded.features.shift, torch.zeros_like(loaded.features.shift))
+
+    rng = np.random.default_rng(0)
+    pcm = torch.from_numpy((rng.standard_normal((2, 150 * FRAME_SAMPLES)) * 0.1).astype(np.float32))
+    with torch.no_grad():
+        offline = loaded(pcm)
+        assert torch.allclose(offline, model(pcm), atol=1e-5)
+        caches = loaded.init_caches(2)
+        outputs, start = [], 0
+        for i, frames in enumerate([1, 4, 2, 16, 3, 1, 7] * 10):
+            if start >= 150:
+                break
+            frames = min(frames, 150 - start)
+            logits, caches = loaded.step(pcm[:, start * FRAME_SAMPLES : (start + frames) * FRAME_SAMPLES], caches)
+            outputs.append(logits)
+            start += frames
+    streamed = torch.cat(outputs, dim=1)
+    assert streamed.shape == offline.shape
+    assert (streamed - offline).abs().max().item() <= 1e-4 * max(1.0, offline.abs().max().item())
+
+
+def test_text_normalization():
+    from training.text import normalize, number_words
+
+    assert number_words(1234) == "one thousand two hundred and thirty four"
+    assert normalize("In 1984, Mr. Smith paid $5 for 3rd-class tickets!") == (
+        "in nineteen eighty four mister smith paid five dollars for third class tickets"
+    )
+    assert normalize("see http://example.com now") is None
+
+
+def test_codecs_round_trip():
+    from training.augment import a_law_round_trip, mu_law_round_trip, telephone
+
+    x = np.sin(np.linspace(0, 200, 16000)).astype(np.float32) * 0.5
+    for codec in (mu_law_round_trip, a_law_round_trip):
+        y = codec(x)
+        assert np.max(np.abs(y - x)) < 0.03
+    assert telephone(x, "mulaw").shape == x.shape

@@ -1,0 +1,138 @@
+"""On-the-fly augmentation: every draw of a training utterance is a new version of it.
+
+Waveform (numpy, 16 kHz float32): speed +-15 % (resampling, so pitch moves with it), simple synthetic
+reverb, leading/trailing silence, additive coloured noise at 5-30 dB SNR, 8 kHz telephone band with mu-law or
+A-law round trips, gain. Features (torch): SpecAugment-style frequency and time masks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import soxr
+import torch
+
+SAMPLE_RATE = 16000
+
+
+def mu_law_round_trip(x: np.ndarray, mu: float = 255.0) -> np.ndarray:
+    """8-bit mu-law (G.711) encode + decode."""
+    x = np.clip(x, -1.0, 1.0)
+    y = np.sign(x) * np.log1p(mu * np.abs(x)) / np.log1p(mu)
+    q = np.round((y + 1.0) * 127.5) / 127.5 - 1.0
+    return (np.sign(q) * ((1.0 + mu) ** np.abs(q) - 1.0) / mu).astype(np.float32)
+
+
+def a_law_round_trip(x: np.ndarray, a: float = 87.6) -> np.ndarray:
+    """8-bit A-law (G.711) encode + decode."""
+    x = np.clip(x, -1.0, 1.0)
+    ax = np.abs(x)
+    ln_a = 1.0 + np.log(a)
+    y = np.where(ax < 1.0 / a, a * ax / ln_a, (1.0 + np.log(np.maximum(a * ax, 1e-12))) / ln_a)
+    y = np.sign(x) * y
+    q = np.round((y + 1.0) * 127.5) / 127.5 - 1.0
+    aq = np.abs(q)
+    out = np.where(aq < 1.0 / ln_a, aq * ln_a / a, np.exp(aq * ln_a - 1.0) / a)
+    return (np.sign(q) * out).astype(np.float32)
+
+
+def telephone(x: np.ndarray, codec: str = "mulaw", rng: np.random.Generator | None = None) -> np.ndarray:
+    """16 kHz -> 8 kHz (telephone band) -> codec round trip -> back to 16 kHz."""
+    narrow = soxr.resample(x, SAMPLE_RATE, 8000).astype(np.float32)
+    if rng is not None:
+        # Crude 300 Hz high-pass of a phone line: subtract a one-pole low-passed copy.
+        alpha = float(rng.uniform(0.75, 0.85))
+        low = _one_pole(narrow, alpha)
+        narrow = narrow - low * float(rng.uniform(0.5, 1.0))
+    peak = float(np.abs(narrow).max()) + 1e-6
+    if peak > 1.0:
+        narrow = narrow / peak
+    if codec == "mulaw":
+        narrow = mu_law_round_trip(narrow)
+    elif codec == "alaw":
+        narrow = a_law_round_trip(narrow)
+    return soxr.resample(narrow, 8000, SAMPLE_RATE).astype(np.float32)[: x.size]
+
+
+def _one_pole(x: np.ndarray, alpha: float) -> np.ndarray:
+    """y[n] = alpha * y[n-1] + (1 - alpha) * x[n], via FFT-free cumulative trick on short blocks."""
+    # Exact IIR via scipy would be nicer; an FIR truncation of the impulse response is close enough.
+    taps = (1 - alpha) * alpha ** np.arange(48, dtype=np.float32)
+    return np.convolve(x, taps)[: x.size].astype(np.float32)
+
+
+def coloured_noise(n: int, rng: np.random.Generator) -> np.ndarray:
+    """White, pink, brown or band-limited hum-like noise, unit RMS."""
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        noise = rng.standard_normal(n).astype(np.float32)
+    else:
+        nfft = 1 << max(1, (n - 1).bit_length())  # a power of two: odd lengths make the FFT slow
+        spec = np.fft.rfft(rng.standard_normal(nfft).astype(np.float32))
+        freqs = np.fft.rfftfreq(nfft, 1.0 / SAMPLE_RATE)
+        freqs[0] = freqs[1] if n > 1 else 1.0
+        if kind == 1:
+            spec = spec / np.sqrt(freqs)
+        elif kind == 2:
+            spec = spec / freqs
+        else:
+            centre = rng.uniform(200, 3000)
+            spec = spec * np.exp(-0.5 * ((freqs - centre) / rng.uniform(100, 800)) ** 2)
+        noise = np.fft.irfft(spec, nfft)[:n].astype(np.float32)
+    return noise / (np.sqrt(np.mean(noise**2)) + 1e-8)
+
+
+def reverb(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Convolve with an exponentially decaying noise impulse response (RT60 0.1-0.7 s)."""
+    rt60 = rng.uniform(0.1, 0.7)
+    length = int(rt60 * SAMPLE_RATE)
+    t = np.arange(length, dtype=np.float32) / SAMPLE_RATE
+    ir = rng.standard_normal(length).astype(np.float32) * np.exp(-6.9 * t / rt60)
+    ir[0] = 0.0
+    ir *= rng.uniform(0.2, 0.8) / (np.sqrt(np.sum(ir**2)) + 1e-8)
+    ir[0] = 1.0
+    size = x.size + length - 1
+    nfft = 1 << (size - 1).bit_length()
+    wet = np.fft.irfft(np.fft.rfft(x, nfft) * np.fft.rfft(ir, nfft), nfft)[: x.size]
+    return wet.astype(np.float32)
+
+
+def augment(x: np.ndarray, rng: np.random.Generator, strength: float = 1.0) -> np.ndarray:
+    """One random version of ``x`` (float32, 16 kHz)."""
+    if rng.random() < 0.9 * strength:
+        speed = rng.uniform(0.85, 1.15)
+        x = soxr.resample(x, SAMPLE_RATE, int(round(SAMPLE_RATE / speed))).astype(np.float32)
+    if rng.random() < 0.3 * strength:
+        x = reverb(x, rng)
+    lead = int(rng.uniform(0.0, 0.5) * SAMPLE_RATE) if rng.random() < 0.7 else 0
+    trail = int(rng.uniform(0.0, 0.5) * SAMPLE_RATE) if rng.random() < 0.7 else 0
+    x = np.concatenate([np.zeros(lead, np.float32), x, np.zeros(trail, np.float32)])
+    x = x / (np.abs(x).max() + 1e-6)
+    if rng.random() < 0.75 * strength:
+        snr_db = rng.uniform(5.0, 30.0)
+        speech_rms = np.sqrt(np.mean(x**2)) + 1e-8
+        x = x + coloured_noise(x.size, rng) * speech_rms * 10 ** (-snr_db / 20)
+    else:
+        x = x + rng.standard_normal(x.size).astype(np.float32) * 10 ** rng.uniform(-5, -3)
+    x = x / (np.abs(x).max() + 1e-6)
+    if rng.random() < 0.3 * strength:
+        x = telephone(x * 0.9, "mulaw" if rng.random() < 0.6 else "alaw", rng)
+    gain = 10 ** (rng.uniform(-30.0, -1.0) / 20)
+    return (x * gain).astype(np.float32)
+
+
+def spec_augment(features: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Frequency masks (2 x up to 12 bins) and time masks (~1 per second, up to 25 frames) per utterance."""
+    batch, frames, bins = features.shape
+    out = features.clone()
+    rand = lambda hi: int(torch.randint(0, max(1, hi), (1,), generator=generator))  # noqa: E731
+    for b in range(batch):
+        for _ in range(2):
+            width = rand(13)
+            start = rand(bins - width)
+            out[b, :, start : start + width] = 0.0
+        length = int(lengths[b])
+        for _ in range(length // 100):
+            width = rand(26)
+            start = rand(length - width)
+            out[b, start : start + width, :] = 0.0
+    return out

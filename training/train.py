@@ -1,0 +1,400 @@
+"""CTC training of the default streaming model on the synthetic corpus, with fresh augmentation every draw.
+
+    nohup nice -n 10 .venv/bin/python -m training.train --corpus data/corpus --run runs/en1 \\
+        --total-steps 9000 > runs/en1.out 2>&1 &
+
+Rerunning the same command resumes from ``runs/<name>/last.pt`` (model, optimizer, step, epoch position,
+all RNG states). ``runs/<name>/log.jsonl`` gets one line per logging interval (training loss, learning
+rate, audio seconds seen) and one per evaluation (greedy WER/CER per held-out voice group at 16 kHz and after
+an 8 kHz mu-law round trip). ``best.pt`` holds the weights with the lowest mean held-out-voice CER.
+Uses CUDA when available; on CPU it runs on ``--threads`` threads (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
+from training.augment import augment, spec_augment, telephone
+from training.corpus import HELD_OUT, load_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB_PATH = ROOT / "cosystream" / "models" / "default" / "vocabulary.json"
+HOP = 160
+
+
+def default_config(**overrides) -> ConvCtcConfig:
+    base = json.loads((ROOT / "cosystream" / "models" / "default" / "config.json").read_text())
+    base["vocabulary"] = json.loads(VOCAB_PATH.read_text())
+    base.update(overrides)
+    return ConvCtcConfig.from_dict(base)
+
+
+# ---------------------------------------------------------------- data
+
+
+class Corpus:
+    """All training shards in memory (int16); rescanned for new shards at every epoch."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.shards: dict[str, tuple[np.ndarray, np.ndarray, list[str], list[str]]] = {}
+
+    def refresh(self) -> list[str]:
+        for path in sorted((self.directory / "train").glob("shard_*.npz")):
+            if path.name.endswith(".tmp.npz") or path.name in self.shards:
+                continue
+            try:
+                self.shards[path.name] = load_shard(path)
+            except (OSError, ValueError, KeyError):
+                continue  # being written
+        return sorted(self.shards)
+
+    def items(self, names: list[str]) -> list[tuple[str, int, int]]:
+        """``(shard, index, samples)`` of every utterance in the given shards."""
+        out = []
+        for name in names:
+            _, offsets, _, _ = self.shards[name]
+            lengths = np.diff(offsets)
+            out += [(name, i, int(n)) for i, n in enumerate(lengths)]
+        return out
+
+    def get(self, name: str, index: int) -> tuple[np.ndarray, str]:
+        audio, offsets, texts, _ = self.shards[name]
+        return audio[offsets[index] : offsets[index + 1]].astype(np.float32) / 32768.0, texts[index]
+
+
+def make_batches(items, max_seconds: float, max_utterance_s: float, rng: random.Random) -> list[list]:
+    """Length-bucketed batches holding at most ``max_seconds`` of (padded) audio, in random order."""
+    keyed = sorted(items, key=lambda it: it[2] * rng.uniform(0.9, 1.1))
+    keyed = [it for it in keyed if it[2] <= max_utterance_s * 16000]
+    batches, current, longest = [], [], 0
+    for it in keyed:
+        longest_new = max(longest, it[2])
+        if current and longest_new * (len(current) + 1) > max_seconds * 16000:
+            batches.append(current)
+            current, longest_new = [], it[2]
+        current.append(it)
+        longest = longest_new
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def encode_text(text: str, vocab: dict[str, int]) -> list[int]:
+    return [vocab[c] for c in text if c in vocab]
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def edit_distance(a: list, b: list) -> int:
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y))
+        prev = cur
+    return prev[-1]
+
+
+def greedy_decode(logits: torch.Tensor, length: int, vocabulary: list[str]) -> str:
+    ids = logits[:length].argmax(-1).tolist()
+    out, last = [], 0
+    for i in ids:
+        if i != last and i != 0:
+            out.append(vocabulary[i])
+        last = i
+    return " ".join("".join(out).split())
+
+
+def load_eval(directory: Path, limit: int | None = None) -> dict[str, tuple[list[np.ndarray], list[str]]]:
+    groups = {}
+    for path in sorted((directory / "eval").glob("*.npz")):
+        audio, offsets, texts, _ = load_shard(path)
+        n = len(texts) if limit is None else min(limit, len(texts))
+        groups[path.stem] = ([audio[offsets[i] : offsets[i + 1]].astype(np.float32) / 32768.0 for i in range(n)], texts[:n])
+    return groups
+
+
+@torch.no_grad()
+def evaluate(model: ConvCtcModel, groups, device, telephone_too: bool = True, batch_seconds: float = 120.0,
+             examples: int = 0) -> dict:
+    """Greedy WER/CER per group (``<group>`` at 16 kHz, ``<group>@8k-mulaw`` after a phone round trip)."""
+    model.eval()
+    results = {}
+    conditions = [("", None)] + ([("@8k-mulaw", "mulaw")] if telephone_too else [])
+    for name, (audios, texts) in groups.items():
+        for suffix, codec in conditions:
+            pcms = [a if codec is None else telephone(a * 0.9, codec) for a in audios]
+            # Trailing 0.3 s of silence so the causal model can emit the last characters.
+            pcms = [np.concatenate([p, np.zeros(4800, np.float32)]) for p in pcms]
+            order = sorted(range(len(pcms)), key=lambda i: pcms[i].size)
+            hyps: dict[int, str] = {}
+            i = 0
+            while i < len(order):
+                j = i
+                while j < len(order) and pcms[order[j]].size * (j - i + 1) <= batch_seconds * 16000:
+                    j += 1
+                j = max(j, i + 1)
+                idx = order[i:j]
+                longest = max(pcms[k].size for k in idx)
+                batch = torch.zeros(len(idx), longest)
+                for row, k in enumerate(idx):
+                    batch[row, : pcms[k].size] = torch.from_numpy(pcms[k])
+                logits = model(batch.to(device)).cpu()
+                for row, k in enumerate(idx):
+                    hyps[k] = greedy_decode(logits[row], pcms[k].size // HOP, model.vocabulary)
+                i = j
+            words = chars = werr = cerr = 0
+            for k, ref in enumerate(texts):
+                werr += edit_distance(hyps[k].split(), ref.split())
+                cerr += edit_distance(list(hyps[k]), list(ref))
+                words += len(ref.split())
+                chars += len(ref)
+            entry = {"wer": werr / max(1, words), "cer": cerr / max(1, chars), "n": len(texts)}
+            if examples:
+                entry["examples"] = [[texts[k], hyps[k]] for k in range(min(examples, len(texts)))]
+            results[name + suffix] = entry
+    held = [v for k, v in results.items() if k.split("@")[0] in HELD_OUT] or list(results.values())
+    if held:
+        results["held_out_mean"] = {
+            "wer": float(np.mean([v["wer"] for v in held])),
+            "cer": float(np.mean([v["cer"] for v in held])),
+        }
+    model.train()
+    return results
+
+
+# ---------------------------------------------------------------- training
+
+
+def feature_stats(model: ConvCtcModel, corpus: Corpus, names: list[str], rng: np.random.Generator, n: int = 400):
+    """Per-mel-bin mean and inverse std of log-mel over ``n`` random (augmented) training utterances."""
+    items = corpus.items(names)
+    picks = rng.choice(len(items), size=min(n, len(items)), replace=False)
+    feats = []
+    with torch.no_grad():
+        for p in picks:
+            name, idx, _ = items[int(p)]
+            pcm, _ = corpus.get(name, idx)
+            if rng.random() < 0.5:
+                pcm = augment(pcm, rng)
+            feats.append(model.log_mel(torch.from_numpy(pcm)[None])[0])
+    allf = torch.cat(feats)
+    mean = allf.mean(0)
+    std = allf.std(0).clamp_min(1e-3)
+    return mean, 1.0 / std
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.03) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def rng_state(py: random.Random, np_rng: np.random.Generator, gen: torch.Generator) -> dict:
+    return {"python": py.getstate(), "numpy": np_rng.bit_generator.state, "torch": gen.get_state(),
+            "torch_global": torch.get_rng_state()}
+
+
+def save_checkpoint(path: Path, **state) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", type=Path, default=Path("data/corpus"))
+    p.add_argument("--run", type=Path, default=Path("runs/en1"))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--total-steps", type=int, default=9000)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (default: total-steps)")
+    p.add_argument("--peak-lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=400)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--batch-seconds", type=float, default=64.0, help="padded audio per batch")
+    p.add_argument("--max-utterance-s", type=float, default=12.0)
+    p.add_argument("--checkpoint-minutes", type=float, default=4.0)
+    p.add_argument("--eval-minutes", type=float, default=10.0)
+    p.add_argument("--eval-limit", type=int, default=50, help="utterances per group in periodic evals")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--config", type=str, default="{}", help="JSON overrides of the default ConvCtcConfig")
+    p.add_argument("--no-augment", action="store_true")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.run.mkdir(parents=True, exist_ok=True)
+    log_path = args.run / "log.jsonl"
+    started = time.time()
+
+    def log(record: dict) -> None:
+        record = {"time": round(time.time(), 1), "wall_s": round(time.time() - started, 1), **record}
+        with log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+
+    config = default_config(**json.loads(args.config))
+    model = ConvCtcModel(config)
+    vocab = {c: i for i, c in enumerate(config.vocabulary)}
+    corpus = Corpus(args.corpus)
+    names = corpus.refresh()
+    if not names:
+        raise SystemExit(f"no shards under {args.corpus / 'train'}")
+
+    py_rng = random.Random(args.seed)
+    np_rng = np.random.default_rng(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.peak_lr, betas=(0.9, 0.98))
+    step, epoch, batch_index, audio_seen, train_seconds = 0, 0, 0, 0.0, 0.0
+    epoch_shards: list[str] | None = None
+    best_cer = float("inf")
+    last_path = args.run / "last.pt"
+    if last_path.exists():
+        ck = torch.load(last_path, weights_only=False)
+        config = ConvCtcConfig.from_dict(ck["config"])
+        model = ConvCtcModel(config)
+        model.load_state_dict(ck["model"])
+        decay = [prm for n, prm in model.named_parameters() if prm.ndim >= 2 and "norm" not in n]
+        no_decay = [prm for n, prm in model.named_parameters() if not (prm.ndim >= 2 and "norm" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.peak_lr, betas=(0.9, 0.98))
+        opt.load_state_dict(ck["optimizer"])
+        step, epoch, batch_index = ck["step"], ck["epoch"], ck["batch_index"]
+        audio_seen, train_seconds, best_cer = ck["audio_seen"], ck["train_seconds"], ck["best_cer"]
+        epoch_shards = ck["epoch_shards"]
+        py_rng.setstate(ck["rng"]["python"])
+        np_rng.bit_generator.state = ck["rng"]["numpy"]
+        gen.set_state(ck["rng"]["torch"])
+        torch.set_rng_state(ck["rng"]["torch_global"])
+        log({"event": "resumed", "step": step, "epoch": epoch, "batch_index": batch_index})
+    else:
+        shift, scale = feature_stats(model, corpus, names, np_rng)
+        model.features.shift.copy_(shift)
+        model.features.scale.copy_(scale)
+        log({"event": "start", "args": {k: str(v) for k, v in vars(args).items()}, "params":
+             sum(x.numel() for x in model.parameters()), "flops_per_frame": model.flops_per_frame(),
+             "shards": len(names), "device": str(device)})
+    model.to(device)
+    for state in opt.state.values():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                state[k] = v.to(device)
+    ctc = torch.nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
+    eval_groups = load_eval(args.corpus, args.eval_limit)
+    max_steps = args.max_steps or args.total_steps
+
+    def checkpoint(path: Path) -> None:
+        save_checkpoint(path, model={k: v.cpu() for k, v in model.state_dict().items()},
+                        optimizer=opt.state_dict(), config=json.loads(config.to_json()), step=step, epoch=epoch,
+                        batch_index=batch_index, epoch_shards=epoch_shards, audio_seen=audio_seen,
+                        train_seconds=train_seconds, best_cer=best_cer,
+                        rng=rng_state(py_rng, np_rng, gen))
+
+    def run_eval() -> None:
+        nonlocal best_cer
+        t0 = time.time()
+        res = evaluate(model, eval_groups, device, examples=2)
+        log({"event": "eval", "step": step, "epoch": epoch, "audio_hours": round(audio_seen / 3600, 2),
+             "eval_s": round(time.time() - t0, 1), "results": res})
+        cer = res["held_out_mean"]["cer"]
+        if cer < best_cer:
+            best_cer = cer
+            checkpoint(args.run / "best.pt")
+            log({"event": "best", "step": step, "held_out_mean": res["held_out_mean"]})
+
+    last_ckpt = last_eval = time.time()
+    loss_sum = loss_n = 0.0
+    t_interval = time.time()
+    model.train()
+    while step < max_steps:
+        if epoch_shards is None:
+            epoch_shards = corpus.refresh()
+            batch_index = 0
+        else:
+            corpus.refresh()
+        epoch_rng = random.Random(args.seed * 7919 + epoch)
+        batches = make_batches(corpus.items(epoch_shards), args.batch_seconds, args.max_utterance_s, epoch_rng)
+        if batch_index == 0:
+            n_utt = sum(len(b) for b in batches)
+            log({"event": "epoch", "epoch": epoch, "shards": len(epoch_shards), "utterances": n_utt,
+                 "batches": len(batches)})
+        while batch_index < len(batches) and step < max_steps:
+            t0 = time.time()
+            batch = batches[batch_index]
+            pcms, targets = [], []
+            for name, idx, _ in batch:
+                pcm, text = corpus.get(name, idx)
+                if not args.no_augment:
+                    pcm = augment(pcm, np_rng)
+                pcms.append(pcm)
+                targets.append(encode_text(text, vocab))
+            longest = max(x.size for x in pcms)
+            audio = torch.zeros(len(pcms), longest)
+            for row, x in enumerate(pcms):
+                audio[row, : x.size] = torch.from_numpy(x)
+            in_lengths = torch.tensor([x.size // HOP for x in pcms])
+            tgt_lengths = torch.tensor([len(t) for t in targets])
+            flat = torch.tensor([c for t in targets for c in t])
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.peak_lr, args.warmup, args.total_steps)
+            audio = audio.to(device)
+            features = model.log_mel(audio)
+            if not args.no_augment:
+                features = spec_augment(features, in_lengths, gen)
+            log_probs = model.encode(features).log_softmax(-1)
+            loss = ctc(log_probs.transpose(0, 1).float().cpu() if device.type != "cuda" else log_probs.transpose(0, 1),
+                       flat.to(device) if device.type == "cuda" else flat, in_lengths, tgt_lengths)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            step += 1
+            batch_index += 1
+            audio_seen += float(sum(x.size for x in pcms)) / 16000
+            train_seconds += time.time() - t0
+            loss_sum += loss.item()
+            loss_n += 1
+            if step % args.log_every == 0:
+                log({"event": "train", "step": step, "epoch": epoch, "loss": round(loss_sum / loss_n, 4),
+                     "lr": round(opt.param_groups[0]["lr"], 6), "audio_hours": round(audio_seen / 3600, 2),
+                     "step_s": round((time.time() - t_interval) / loss_n, 3)})
+                loss_sum = loss_n = 0.0
+                t_interval = time.time()
+            now = time.time()
+            if now - last_eval > args.eval_minutes * 60:
+                run_eval()
+                last_eval = time.time()
+            if now - last_ckpt > args.checkpoint_minutes * 60:
+                checkpoint(last_path)
+                last_ckpt = time.time()
+        if batch_index >= len(batches):
+            epoch += 1
+            epoch_shards = None
+    checkpoint(last_path)
+    run_eval()
+    checkpoint(last_path)
+    log({"event": "done", "step": step, "audio_hours": round(audio_seen / 3600, 2)})
+
+
+if __name__ == "__main__":
+    main()
