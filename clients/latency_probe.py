@@ -155,7 +155,8 @@ class Stream:
             encoding=encoding,
             sample_rate_hz=rate_hz,
             priority=pb.REALTIME if priority == "realtime" else pb.BATCH,
-            interim_results=True,
+            # Live captions want interims; a file sent as BATCH wants its finals.
+            interim_results=priority == "realtime",
         )
         period_ms = int(audio.duration_s * 1000)
         self.spans = [

@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--batch-window-ms", type=float, default=6.0, help="how long a realtime frame may wait to share a step"
     )
+    serve.add_argument(
+        "--batch-duty",
+        type=float,
+        default=None,
+        help="most of the engine's time BATCH work may use (default: 0.5 on CPU, where frontends share the cores; 1 on CUDA)",
+    )
     serve.add_argument("--idle-timeout-s", type=float, default=30.0)
     serve.add_argument("--drain-grace-s", type=float, default=10.0)
     serve.add_argument("--silence-ms", type=int, default=500, help="default end-of-utterance silence")
@@ -95,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
             max_batch=args.max_batch or args.max_sessions,
             graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
             realtime_batch_window_s=args.batch_window_ms / 1000,
+            batch_max_duty=args.batch_duty,
         )
     except ValueError as err:
         sys.exit(f"cosystream serve: {err}")

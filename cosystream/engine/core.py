@@ -33,6 +33,7 @@ class EngineConfig:
     deadline_s: float = 0.05
     batch_step_budget_s: float = 0.004
     realtime_batch_window_s: float = 0.004
+    batch_max_duty: float | None = None  # None: 0.5 on a CPU, where frontends share the cores; 1 on CUDA
     graph_mode: GraphMode = GraphMode.EAGER
 
     def __post_init__(self) -> None:
@@ -72,6 +73,7 @@ class EngineCore:
                 deadline_s=config.deadline_s,
                 batch_step_budget_s=config.batch_step_budget_s,
                 realtime_batch_window_s=config.realtime_batch_window_s,
+                batch_max_duty=config.batch_max_duty or (1.0 if device.type == "cuda" else 0.5),
             )
         )
         # Queued audio: a ring of frames per slot; head = next to step, tail = next free.
@@ -165,7 +167,7 @@ class EngineCore:
         """How long the loop may block waiting for input before a step is due."""
         if self.scheduler.has_work():
             return 0.0
-        due = self.scheduler.realtime_due_s()
+        due = self.scheduler.next_due_s()
         return idle_s if due is None else min(idle_s, max(0.0, due - time.monotonic()))
 
     def step(self) -> StepPlan | None:
@@ -181,7 +183,7 @@ class EngineCore:
         started = time.perf_counter()
         result = self.runner.run(plan.slots, pcm)
         compute_s = time.perf_counter() - started
-        self.scheduler.update_cost(plan.rows, frames, compute_s)
+        self.scheduler.update_cost(plan.rows, frames, compute_s, plan.priority)
         for row, slot in enumerate(plan.slots):
             frontend, key = self._owner[slot]
             box = self._box(frontend)

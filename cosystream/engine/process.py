@@ -92,7 +92,7 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     engine_config = config.engine
     if device.type != "cuda" and engine_config.graph_mode is GraphMode.GRAPHS:
         log.info("no CUDA device: running eager")
-        engine_config = EngineConfig(**{**_as_dict(engine_config), "graph_mode": GraphMode.EAGER})
+        engine_config = dataclasses.replace(engine_config, graph_mode=GraphMode.EAGER)
     started = time.perf_counter()
     model = load_model(config.model_path, device=device)
     core = EngineCore(model, engine_config, device, EngineMetrics())
@@ -108,17 +108,13 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     return core
 
 
-def _as_dict(config: EngineConfig) -> dict:
-    return {name: getattr(config, name) for name in config.__slots__}
-
-
 def warm_up(core: EngineCore) -> None:
     """Run every (bucket, T) shape once on the scratch slot, so no first request pays for it."""
     runner = core.runner
     scratch = runner.slab.scratch_slot
     with torch.no_grad():
         for frames in runner.config.frame_buckets:
-            for bucket in (1, runner.batch_buckets[-1]):
+            for bucket in runner.batch_buckets:
                 pcm = torch.zeros((bucket, frames * 160))
                 runner.run([scratch] * bucket, pcm)
     runner.slab.reset(scratch)

@@ -61,6 +61,9 @@ class SchedulerConfig:
     # Realtime frames wait up to this long for others to join their step (0 = step at once). A step costs
     # a fixed ~1 ms on a CPU plus a little per row, so stepping every arrival alone saturates the core.
     realtime_batch_window_s: float = 0.0
+    # Most of the engine's time BATCH steps may take (1 = all that realtime leaves). Below 1 leaves CPU
+    # to frontends sharing the cores: after a BATCH step of d seconds the next waits d * (1/duty - 1).
+    batch_max_duty: float = 1.0
     cost_ema_alpha: float = 0.2  # weight of a new measurement in the per-(rows, T) cost EMA
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class SchedulerConfig:
             raise ValueError("deadline_s and batch_step_budget_s must be > 0")
         if not 0 <= self.realtime_batch_window_s < self.deadline_s:
             raise ValueError("realtime_batch_window_s must be in [0, deadline_s)")
+        if not 0 < self.batch_max_duty <= 1:
+            raise ValueError(f"batch_max_duty must be in (0, 1], got {self.batch_max_duty}")
         if not 0 < self.cost_ema_alpha <= 1:
             raise ValueError(f"cost_ema_alpha must be in (0, 1], got {self.cost_ema_alpha}")
 
@@ -155,6 +160,7 @@ class Scheduler:
         self._ready_rt: OrderedDict[int, None] = OrderedDict()
         # Arrival of the oldest frame waiting in _ready_rt.
         self._rt_waiting_since = math.inf
+        self._batch_allowed_s = -math.inf  # the duty cap's earliest time for the next BATCH step
         self._ready_batch: OrderedDict[int, None] = OrderedDict()
         self._batch_admitted: OrderedDict[int, None] = OrderedDict()  # oldest admission first
         # T for a given min(pending, cap): the largest frame bucket <= it.
@@ -256,7 +262,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether `schedule()` would return a step now."""
-        return self._realtime_due(self._clock()) or bool(self._ready_batch)
+        now = self._clock()
+        return self._realtime_due(now) or self._batch_due(now)
 
     def has_pending(self) -> bool:
         """Whether any frame waits, due now or not."""
@@ -269,6 +276,18 @@ class Scheduler:
         if len(self._ready_rt) >= self.config.max_batch or self.config.realtime_batch_window_s <= 0:
             return -math.inf
         return self._rt_waiting_since + self.config.realtime_batch_window_s
+
+    def next_due_s(self) -> float | None:
+        """Earliest clock time at which `schedule()` may return a step (None: nothing pending)."""
+        times = [
+            t
+            for t in (self.realtime_due_s(), self._batch_allowed_s if self._ready_batch else None)
+            if t is not None
+        ]
+        return min(times) if times else None
+
+    def _batch_due(self, now: float) -> bool:
+        return bool(self._ready_batch) and now >= self._batch_allowed_s
 
     def _realtime_due(self, now: float) -> bool:
         due = self.realtime_due_s()
@@ -285,7 +304,7 @@ class Scheduler:
         now = self._clock()
         if self._realtime_due(now):
             return self._schedule_realtime(now)
-        if self._ready_batch:
+        if self._batch_due(now):
             return self._schedule_batch(now)
         return None
 
@@ -370,10 +389,12 @@ class Scheduler:
 
     # -- cost model ----------------------------------------------------------------------------------
 
-    def update_cost(self, rows: int, frames: int, seconds: float) -> None:
+    def update_cost(self, rows: int, frames: int, seconds: float, priority: Priority | None = None) -> None:
         """Feed the measured wall time of a step of ``rows`` rows x ``frames`` frames (any priority)."""
         if not 1 <= rows <= self.config.max_batch or frames < 1 or not 0 <= seconds < math.inf:
             raise ValueError(f"bad step measurement: rows={rows} frames={frames} seconds={seconds}")
+        if priority == Priority.BATCH and self.config.batch_max_duty < 1:
+            self._batch_allowed_s = self._clock() + seconds * (1 / self.config.batch_max_duty - 1)
         key = (self._row_bucket(rows), frames)
         old = self._cost_s.get(key)
         self._cost_s[key] = seconds if old is None else old + self.config.cost_ema_alpha * (seconds - old)

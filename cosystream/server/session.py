@@ -60,10 +60,12 @@ class _Utterance:
         "first_frame",
         "first_result_sent",
         "index",
+        "interim_at",
         "received",
         "sent",
         "start_frame",
         "started_s",
+        "text_changed",
     )
 
     def __init__(self, index: int, start: Decision, started_s: float):
@@ -75,6 +77,8 @@ class _Utterance:
         self.received = 0
         self.end: Decision | None = None
         self.first_result_sent = False
+        self.text_changed = False
+        self.interim_at = 0  # frames received when the last interim was sent
 
 
 class Session:
@@ -108,6 +112,7 @@ class Session:
         self._vad = Vad(config.endpointing.vad_aggressiveness)
         self._endpointer = Endpointer(config.endpointing)
         self._ring = FrameRing(max(1, self._endpointer.max_forward_frames))
+        self._interim_backlog_frames = self._endpointer.max_forward_frames + 5
         self._ctc = CtcDecoder(vocabulary, FRAME_MS)
         self._actions: deque[tuple] = deque()
         self._queued_frames = 0  # frames in _actions, not yet sent
@@ -207,10 +212,22 @@ class Session:
             log.warning("session %s: results with no utterance in flight", self.session_id)
             return
         first = utterance.first_frame + utterance.received
-        changed = self._ctc.push(ids, logprobs, first)
+        utterance.text_changed |= self._ctc.push(ids, logprobs, first)
         utterance.received += len(ids)
         self._last_queue_s, self._last_compute_s = queue_s, compute_s
-        if changed and self.config.interim_results and utterance.end is None and self._ctc.text:
+        # An interim describes the newest audio: while a burst (an onset's pre-roll, audio sent faster
+        # than real time) is being stepped, send one when every frame sent has its result, or at most
+        # every ``_interim_backlog_frames`` of audio (a little more than an onset's burst).
+        caught_up = utterance.received == utterance.sent
+        if (
+            utterance.text_changed
+            and self.config.interim_results
+            and utterance.end is None
+            and (caught_up or utterance.received - utterance.interim_at >= self._interim_backlog_frames)
+            and self._ctc.text
+        ):
+            utterance.text_changed = False
+            utterance.interim_at = utterance.received
             self._result(utterance, is_final=False)
         self._pump()
 
