@@ -1,0 +1,515 @@
+"""Live captions from a microphone (or a WAV file paced at real time) through a cosystream server.
+
+The terminal shows the utterance being spoken on one line, rewritten in place as interim results
+arrive, and commits each final on its own line with its time span; when stdout is not a terminal only
+the finals are printed, one plain line each. ``--vtt`` / ``--srt`` write the finals as subtitles, one
+cue per final with text, flushed cue by cue so that nothing is lost however the program ends.
+
+Ctrl-C stops listening: the stream is half-closed, the server's last final is shown and written, and
+the program exits 0 (a second Ctrl-C exits at once with 130).
+
+    python clients/caption.py                          # the default microphone, localhost:50051
+    python clients/caption.py --list-devices
+    python clients/caption.py --device pulse --vtt talk.vtt --srt talk.srt
+    python clients/caption.py --file speech.wav --duration 30 > captions.txt
+
+Uses only the public API (``cosystream.v1``). Audio capture is python-sounddevice (PortAudio), imported
+only for the microphone, so ``--file`` works without PortAudio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import signal
+import sys
+import textwrap
+import wave
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+import numpy as np
+
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+MIC_RATE_HZ = 16000
+BLOCK_MS = 10
+CUE_LINE_CHARS = 42  # the usual subtitle line length
+
+
+class CaptionError(Exception):
+    """A failure the user can act on; ``main`` prints it as one line and exits 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaptionConfig:
+    """Everything one run needs, built from the command line in ``parse_config`` only."""
+
+    server: str = "localhost:50051"
+    device: int | str | None = None
+    file: Path | None = None
+    vtt: Path | None = None
+    srt: Path | None = None
+    duration_s: float | None = None
+    connect_timeout_s: float = 5.0
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError("--duration must be positive")
+        if self.connect_timeout_s <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+# --- cues and subtitle files ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Cue:
+    """One final: its utterance, its span in the stream's audio, its text."""
+
+    utterance_index: int
+    start_ms: int
+    end_ms: int
+    text: str
+
+
+def timestamp(ms: int, decimal: str = ".") -> str:
+    """``HH:MM:SS.mmm`` (WebVTT, and the terminal); SubRip wants ``decimal=","``."""
+    seconds, millis = divmod(max(0, ms), 1000)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:02d}:{minutes:02d}:{seconds:02d}{decimal}{millis:03d}"
+
+
+class SubtitleWriter:
+    """Cues in WebVTT (``kind="vtt"``) or SubRip (``"srt"``), each flushed as soon as it is written."""
+
+    def __init__(self, path: Path, kind: str):
+        if kind not in ("vtt", "srt"):
+            raise ValueError(kind)
+        self.path, self.kind, self.cues = path, kind, 0
+        try:
+            self._file = open(path, "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed in close())
+        except OSError as err:
+            raise CaptionError(f"cannot write {path}: {err.strerror}") from err
+        if kind == "vtt":
+            self._file.write("WEBVTT\n\n")
+            self._file.flush()
+
+    def write(self, cue: Cue) -> None:
+        self.cues += 1
+        decimal = "." if self.kind == "vtt" else ","
+        text = cue.text
+        if self.kind == "vtt":  # cue text is markup: "<" and "&" would start tags and entities
+            text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        lines = textwrap.wrap(text, CUE_LINE_CHARS) or [text]
+        span = f"{timestamp(cue.start_ms, decimal)} --> {timestamp(cue.end_ms, decimal)}"
+        self._file.write(f"{self.cues}\n{span}\n" + "\n".join(lines) + "\n\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# --- the terminal --------------------------------------------------------------------------------
+
+
+def caption_line(cue: Cue) -> str:
+    return f"[{timestamp(cue.start_ms)} --> {timestamp(cue.end_ms)}] {cue.text}"
+
+
+class PlainDisplay:
+    """Finals as plain lines on ``out``, flushed each; status lines on ``err``. For pipes and files."""
+
+    def __init__(self, out: TextIO, err: TextIO):
+        self.out, self.err = out, err
+
+    def partial(self, start_ms: int, text: str) -> None:
+        """The utterance in progress (``text`` may be empty: speech started, no words yet)."""
+
+    def drop_partial(self) -> None:
+        """The utterance ended with no text."""
+
+    def final(self, cue: Cue) -> None:
+        self.out.write(caption_line(cue) + "\n")
+        self.out.flush()
+
+    def status(self, message: str) -> None:
+        self.err.write(f"caption: {message}\n")
+        self.err.flush()
+
+    def close(self) -> None:
+        self.drop_partial()
+
+
+class LiveDisplay(PlainDisplay):
+    """The utterance in progress on one terminal line, rewritten in place; finals committed above it."""
+
+    CLEAR_LINE, DIM, BOLD, RESET = "\r\x1b[2K", "\x1b[2m", "\x1b[1m", "\x1b[0m"
+
+    def __init__(self, out: TextIO, err: TextIO, columns: Callable[[], int]):
+        super().__init__(out, err)
+        self._columns = columns
+        self._partial = ""  # the partial line on screen, "" when none
+
+    def partial(self, start_ms: int, text: str) -> None:
+        prefix = f"[{timestamp(start_ms)} --> {'...':^12}] "
+        room = max(8, self._columns() - 1 - len(prefix))  # never wrap: "\r" only rewinds one line
+        if len(text) > room:
+            text = "…" + text[-(room - 1) :]
+        self._partial = prefix + text
+        self._draw()
+
+    def drop_partial(self) -> None:
+        if self._partial:
+            self._partial = ""
+            self.out.write(self.CLEAR_LINE)
+            self.out.flush()
+
+    def final(self, cue: Cue) -> None:
+        self._partial = ""
+        span = f"[{timestamp(cue.start_ms)} --> {timestamp(cue.end_ms)}]"
+        self.out.write(f"{self.CLEAR_LINE}{self.BOLD}{span}{self.RESET} {cue.text}\n")
+        self.out.flush()
+
+    def status(self, message: str) -> None:
+        if self._partial:
+            self.out.write(self.CLEAR_LINE)
+            self.out.flush()
+        super().status(message)
+        self._draw()
+
+    def _draw(self) -> None:
+        if self._partial:
+            self.out.write(f"{self.CLEAR_LINE}{self.DIM}{self._partial}{self.RESET}")
+            self.out.flush()
+
+
+class Captions:
+    """Turns the server's responses into display updates and subtitle cues (one cue per final with text)."""
+
+    def __init__(self, display: PlainDisplay, writers: list[SubtitleWriter]):
+        self.display, self.writers = display, writers
+        self.finals = 0
+        self.cues = 0
+
+    def handle(self, response: pb.StreamingRecognizeResponse) -> None:
+        event = response.speech_event
+        if response.HasField("speech_event") and event.type == pb.SpeechEvent.SPEECH_STARTED:
+            self.display.partial(event.offset_ms, "")
+        for result in response.results:
+            if not result.is_final:
+                self.display.partial(result.start_ms, result.transcript)
+                continue
+            self.finals += 1
+            text = " ".join(result.transcript.split())
+            if not text:  # a cough or a click: nothing to caption
+                self.display.drop_partial()
+                continue
+            cue = Cue(result.utterance_index, result.start_ms, max(result.end_ms, result.start_ms + 1), text)
+            self.cues += 1
+            self.display.final(cue)
+            for writer in self.writers:
+                writer.write(cue)
+
+
+# --- audio sources -------------------------------------------------------------------------------
+
+
+def import_sounddevice():
+    """python-sounddevice, or a CaptionError that says how to get PortAudio."""
+    try:
+        import sounddevice
+    except OSError as err:  # the module imports, but the PortAudio library is missing
+        raise CaptionError(f"PortAudio not found ({err}): install it, e.g. apt-get install libportaudio2") from err
+    except ImportError as err:
+        raise CaptionError("python-sounddevice is not installed: pip install sounddevice") from err
+    return sounddevice
+
+
+class MicrophoneSource:
+    """16 kHz mono 16-bit blocks of ``BLOCK_MS`` from an input device.
+
+    The PortAudio callback runs on its own thread and only hands a copy of each block to the event
+    loop; everything else happens in ``blocks`` on the loop.
+    """
+
+    rate_hz = MIC_RATE_HZ
+
+    def __init__(self, device: int | str | None):
+        self._sd = import_sounddevice()
+        try:
+            self._sd.check_input_settings(device=device, channels=1, dtype="int16", samplerate=MIC_RATE_HZ)
+            self.name = self._sd.query_devices(device, "input")["name"]
+        except (ValueError, self._sd.PortAudioError) as err:
+            which = f"{device!r}" if device is not None else "the default input"
+            raise CaptionError(f"no input device: {which}: {err} (see --list-devices)") from err
+        self.device = device
+        self.overflows = 0
+        self._queue: asyncio.Queue[tuple[bytes, object] | None] = asyncio.Queue()
+
+    async def blocks(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+
+        def callback(indata, frames, time_info, status) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (bytes(indata), status))
+
+        try:
+            stream = self._sd.RawInputStream(
+                samplerate=MIC_RATE_HZ,
+                blocksize=MIC_RATE_HZ * BLOCK_MS // 1000,
+                device=self.device,
+                channels=1,
+                dtype="int16",
+                callback=callback,
+            )
+        except self._sd.PortAudioError as err:
+            raise CaptionError(f"cannot open input device {self.name!r}: {err}") from err
+        with stream:  # closing it waits for a running callback, so none fires after the loop is gone
+            while (item := await queue.get()) is not None:
+                block, status = item
+                self.overflows += bool(status.input_overflow)
+                yield block
+
+    def stop(self) -> None:
+        self._queue.put_nowait(None)
+
+
+class FileSource:
+    """A 16-bit PCM WAV file (channels averaged) in ``BLOCK_MS`` blocks, paced at real time."""
+
+    def __init__(self, path: Path):
+        try:
+            with wave.open(str(path), "rb") as wav:
+                width, channels, self.rate_hz = wav.getsampwidth(), wav.getnchannels(), wav.getframerate()
+                raw = wav.readframes(wav.getnframes())
+        except (OSError, EOFError, wave.Error) as err:
+            raise CaptionError(f"cannot read {path}: {err}") from err
+        if width != 2:
+            raise CaptionError(f"{path}: only 16-bit PCM WAV is supported (sox in.wav -b 16 out.wav)")
+        samples = np.frombuffer(raw, "<i2").reshape(-1, channels)
+        self._samples = samples[:, 0] if channels == 1 else samples.mean(axis=1).astype("<i2")
+        self.name = str(path)
+        self.overflows = 0
+        self._stopped = False
+
+    async def blocks(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        step = max(1, self.rate_hz * BLOCK_MS // 1000)
+        start_s = loop.time()
+        for offset in range(0, len(self._samples), step):
+            await asyncio.sleep(max(0.0, start_s + offset / self.rate_hz - loop.time()))
+            if self._stopped:
+                return
+            yield self._samples[offset : offset + step].tobytes()
+
+    def stop(self) -> None:
+        self._stopped = True
+
+
+# --- the stream ----------------------------------------------------------------------------------
+
+
+class Captioner:
+    """One captioning run: connect, stream the source's audio, hand responses to ``Captions``."""
+
+    def __init__(self, config: CaptionConfig, source: MicrophoneSource | FileSource, captions: Captions):
+        self.config, self.source, self.captions = config, source, captions
+        self.display = captions.display
+        self.stopping = False
+
+    def stop(self) -> None:
+        """Stop listening; the server's last final still arrives."""
+        if not self.stopping:
+            self.stopping = True
+            self.display.status("stopping: waiting for the last final (Ctrl-C again to quit now)")
+            self.source.stop()
+
+    async def run(self) -> None:
+        options = [("grpc.max_receive_message_length", 16 << 20)]
+        async with grpc.aio.insecure_channel(self.config.server, options=options) as channel:
+            stub = pb_grpc.CosyStreamStub(channel)
+            try:
+                info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.config.connect_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise CaptionError(f"server unreachable at {self.config.server}: {one_line(err)}") from err
+                raise CaptionError(f"server at {self.config.server} refused: {one_line(err)}") from err
+            model = next((m.name for m in info.models if m.is_default), "?")
+            self.display.status(
+                f"connected to {self.config.server} (cosystream {info.version}, {model} on {info.device})"
+            )
+            call = stub.StreamingRecognize()
+            try:
+                await self._stream(call)
+            except grpc.aio.AioRpcError as err:
+                verb = "ended the stream" if err.code() == grpc.StatusCode.UNAVAILABLE else "refused the stream"
+                raise CaptionError(f"server {verb}: {one_line(err)}") from err
+        if self.source.overflows:
+            self.display.status(f"warning: {self.source.overflows} input overflows (audio was dropped)")
+
+    async def _stream(self, call: grpc.aio.StreamStreamCall) -> None:
+        reader = asyncio.create_task(self._read(call))
+        sender = asyncio.create_task(self._send(call))
+        try:
+            await asyncio.wait({reader, sender}, return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():
+                sender.result()  # a failed source raises here; else the stream is half-closed
+                try:
+                    await asyncio.wait_for(reader, self.config.drain_timeout_s)
+                except TimeoutError as err:
+                    raise CaptionError(
+                        f"the server sent no last final within {self.config.drain_timeout_s:g} s of the end of the audio"
+                    ) from err
+            reader.result()  # the server's error status, if it ended the stream with one
+        finally:
+            for task in (sender, reader):
+                task.cancel()
+            call.cancel()
+            await asyncio.gather(sender, reader, return_exceptions=True)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for response in call:
+            self.captions.handle(response)
+
+    async def _send(self, call: grpc.aio.StreamStreamCall) -> None:
+        config = pb.StreamingConfig(
+            encoding=pb.LINEAR16, sample_rate_hz=self.source.rate_hz, priority=pb.REALTIME, interim_results=True
+        )
+        limit = self.config.duration_s * self.source.rate_hz if self.config.duration_s else float("inf")
+        sent = 0
+        try:
+            await call.write(pb.StreamingRecognizeRequest(config=config))
+            async with contextlib.aclosing(self.source.blocks()) as blocks:
+                async for block in blocks:
+                    await call.write(pb.StreamingRecognizeRequest(audio=block))
+                    if not sent:
+                        self.display.status(f"listening to {self.source.name} (Ctrl-C to stop)")
+                    sent += len(block) // 2
+                    if sent >= limit:
+                        break
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the stream has ended; the reader reports its status
+
+
+def one_line(err: grpc.aio.AioRpcError) -> str:
+    return " ".join(f"{err.code().name}: {err.details()}".split())
+
+
+async def caption(config: CaptionConfig, display: PlainDisplay) -> Captions:
+    """Run until the audio ends, ``duration_s`` passes, or Ctrl-C; return what was captioned."""
+    source = FileSource(config.file) if config.file else MicrophoneSource(config.device)
+    writers: list[SubtitleWriter] = []
+    try:
+        for path, kind in ((config.vtt, "vtt"), (config.srt, "srt")):
+            if path is not None:
+                writers.append(SubtitleWriter(path, kind))
+        captions = Captions(display, writers)
+        captioner = Captioner(config, source, captions)
+        loop = asyncio.get_running_loop()
+        main_task = asyncio.current_task()
+
+        def interrupt() -> None:
+            if captioner.stopping:
+                main_task.cancel()
+            else:
+                captioner.stop()
+
+        with install_sigint(loop, interrupt):
+            await captioner.run()
+    finally:
+        display.close()
+        for writer in writers:
+            writer.close()
+    done = f"{captions.cues} captions" + "".join(f", {w.path}" for w in writers)
+    display.status(done)
+    return captions
+
+
+@contextlib.contextmanager
+def install_sigint(loop: asyncio.AbstractEventLoop, handler: Callable[[], None]):
+    try:
+        loop.add_signal_handler(signal.SIGINT, handler)
+    except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
+        previous = signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(handler))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", default="localhost:50051", help="host:port (default: %(default)s)")
+    parser.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
+    parser.add_argument("--device", help="input device: an index or part of a name (see --list-devices)")
+    parser.add_argument("--file", type=Path, metavar="WAV", help="play a 16-bit WAV at real time instead")
+    parser.add_argument("--vtt", type=Path, metavar="OUT", help="write the finals as WebVTT subtitles")
+    parser.add_argument("--srt", type=Path, metavar="OUT", help="write the finals as SubRip subtitles")
+    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds of audio")
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="(default: %(default)s)")
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=10.0,
+        help="wait this long for the last final (default: %(default)s)",
+    )
+    return parser.parse_args(argv)
+
+
+def parse_config(args: argparse.Namespace) -> CaptionConfig:
+    device = int(args.device) if args.device and args.device.isdigit() else args.device
+    return CaptionConfig(
+        server=args.server,
+        device=device,
+        file=args.file,
+        vtt=args.vtt,
+        srt=args.srt,
+        duration_s=args.duration,
+        connect_timeout_s=args.connect_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.list_devices:
+            print(import_sounddevice().query_devices())
+            return 0
+        try:
+            config = parse_config(args)
+        except ValueError as err:
+            raise CaptionError(str(err)) from err
+        if sys.stdout.isatty():
+            display = LiveDisplay(sys.stdout, sys.stderr, lambda: shutil.get_terminal_size().columns)
+        else:
+            display = PlainDisplay(sys.stdout, sys.stderr)
+        asyncio.run(caption(config, display))
+    except CaptionError as err:
+        print(f"caption: error: {err}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, asyncio.CancelledError):  # a second Ctrl-C, or one before the loop ran
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
