@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +22,6 @@ from cosystream.models.features import LogMel
 
 HOP_SAMPLES = 160
 SAMPLE_RATE_HZ = 16000
-
-
-class _RingRows(NamedTuple):
-    read: torch.Tensor  # [B, R] flat rows of the past frames a step's taps read
-    write: torch.Tensor  # [B, W] flat rows its newest frames overwrite
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,44 +121,54 @@ class CausalConv(nn.Module):
         self.kernel_size = kernel_size
         self.dilation = dilation
         self.context = (kernel_size - 1) * dilation
-        # Stored as the matmul operand of ``step``: [k, C_in, C_out] (tap-major, like the window's taps).
-        self.weight = nn.Parameter(torch.empty(kernel_size, in_channels, out_channels))
+        self.in_channels = in_channels
+        # Stored as the streaming step's matmul operand, [k * C_in, C_out], tap-major like the window.
+        self.weight = nn.Parameter(torch.empty(kernel_size * in_channels, out_channels))
         self.bias = nn.Parameter(torch.zeros(out_channels))
         bound = 1.0 / (kernel_size * in_channels) ** 0.5
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def _matmul(self, taps: torch.Tensor) -> torch.Tensor:
-        """``taps [B, T, k * C_in]`` (oldest tap first) -> ``[B, T, C_out]``."""
-        out = torch.addmm(self.bias, taps.flatten(0, 1), self.weight.flatten(0, 1))
-        return out.unflatten(0, taps.shape[:2])
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Weights saved as [k, C_in, C_out] (before they were stored flat) load as [k * C_in, C_out].
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and weight.dim() == 3:
+            state_dict[prefix + "weight"] = weight.flatten(0, 1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def tap_shifts(self) -> list[int]:
         """How many frames back each tap reads, oldest first (the last tap is the current frame)."""
         return [(self.kernel_size - 1 - j) * self.dilation for j in range(self.kernel_size)]
 
-    def step_rows(self, x: torch.Tensor, rings: torch.Tensor, rows: _RingRows, plan: _LayerPlan) -> torch.Tensor:
-        """Step ``x [B, T, C_in]`` against ``rings [S, size, C_in]``, reading and writing only the rows named.
+    def step_rows(
+        self,
+        x: torch.Tensor,
+        batch: int,
+        rings: torch.Tensor,
+        read: torch.Tensor,
+        write: torch.Tensor,
+        plan: _LayerPlan,
+    ) -> torch.Tensor:
+        """Step ``x [B * T, C_in]`` (frames of B rows, row-major) against ``rings [S, size, C_in]``.
 
-        ``rows.read [B, R]`` are the flat rows (of ``rings.view(-1, C_in)``) of the past frames the taps
-        need; ``rows.write [B, W]`` where the newest frames go. Reads happen before writes: a new frame
-        overwrites the one ``size`` frames older, which may be one of its own taps.
+        ``read [B * R]`` are the flat rows (of ``rings.view(-1, C_in)``) of the past frames the taps need,
+        ``write [B * W]`` where the newest frames go. Reads happen before writes: a new frame overwrites
+        the one ``size`` frames older, which may be one of its own taps. Returns ``[B * T, C_out]``.
         """
-        batch, frames, channels = x.shape
+        channels = self.in_channels
         flat = rings.view(-1, channels)
-        past = flat.index_select(0, rows.read.reshape(-1)).view(batch, -1, channels)
-        if frames == 1 and past.shape[1] == self.kernel_size - 1:
-            window = torch.cat([past.view(batch, -1), x.view(batch, -1)], dim=1)
-            flat.index_copy_(0, rows.write.reshape(-1), x.view(batch, channels))
+        past = flat.index_select(0, read)
+        if x.shape[0] == batch and past.shape[0] == batch * (self.kernel_size - 1):  # one frame per row
+            window = torch.cat([past.view(batch, -1), x], dim=1)
+            flat.index_copy_(0, write, x)
         else:
-            source = torch.cat([past, x], dim=1)
-            window = source.index_select(1, plan.taps).view(batch * frames, -1)
-            newest = x.index_select(1, plan.newest).reshape(-1, channels)
-            flat.index_copy_(0, rows.write.reshape(-1), newest)
-        return self._matmul(window.view(batch, frames, -1))
+            source = torch.cat([past.view(batch, -1, channels), x.view(batch, -1, channels)], dim=1)
+            window = source.index_select(1, plan.taps).view(x.shape[0], -1)
+            flat.index_copy_(0, write, x.view(batch, -1, channels).index_select(1, plan.newest).view(-1, channels))
+        return torch.addmm(self.bias, window, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         padded = F.pad(x.transpose(1, 2), (self.context, 0))
-        weight = self.weight.permute(2, 1, 0)  # conv1d's [C_out, C_in, k]
+        weight = self.weight.view(self.kernel_size, self.in_channels, -1).permute(2, 1, 0)  # conv1d's layout
         return F.conv1d(padded, weight, self.bias, dilation=self.dilation).transpose(1, 2)
 
 
@@ -175,8 +180,16 @@ class ResidualBlock(nn.Module):
         self.norm = nn.LayerNorm(channels)
         self.conv = CausalConv(channels, channels, kernel_size, dilation)
 
-    def step_rows(self, x: torch.Tensor, rings: torch.Tensor, rows: _RingRows, plan: _LayerPlan) -> torch.Tensor:
-        return x + torch.relu(self.conv.step_rows(self.norm(x), rings, rows, plan))
+    def step_rows(
+        self,
+        x: torch.Tensor,
+        batch: int,
+        rings: torch.Tensor,
+        read: torch.Tensor,
+        write: torch.Tensor,
+        plan: _LayerPlan,
+    ) -> torch.Tensor:
+        return x + torch.relu(self.conv.step_rows(self.norm(x), batch, rings, read, write, plan))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.relu(self.conv(self.norm(x)))
@@ -244,16 +257,20 @@ class ConvCtcModel(nn.Module):
         positions[slots] = position + frames
         windows = audio.unfold(1, self.config.window_samples, HOP_SAMPLES)
         plan = self._plan(frames, pcm.device)
-        # Flat ring rows of every layer at once: [layers, B, R] to read and [layers, B, W] to write.
+        # Flat ring rows of every layer at once, [layers, B * R] to read and [layers, B * W] to write.
+        batch, layers = pcm.shape[0], len(plan.layers)
         sizes = self._ring_sizes[:, None, None]
         base = slots[None, :, None] * sizes
-        read = (position[None, :, None] + plan.read_offsets[:, None, :]) % sizes + base
-        write = (position[None, :, None] + plan.write_offsets[:, None, :]) % sizes + base
-        x = self.features(windows)
-        x = torch.relu(self.input_conv.step_rows(x, slab[2], _RingRows(read[0], write[0]), plan.layers[0]))
+        read = ((position[None, :, None] + plan.read_offsets[:, None, :]) % sizes + base).view(layers, -1).unbind()
+        write = (
+            ((position[None, :, None] + plan.write_offsets[:, None, :]) % sizes + base).view(layers, -1).unbind()
+        )
+        # Frames travel as a flat [B * T, C] matrix: every layer is a 2-D matmul, with no reshaping between.
+        x = self.features(windows.reshape(-1, windows.shape[-1]))
+        x = torch.relu(self.input_conv.step_rows(x, batch, slab[2], read[0], write[0], plan.layers[0]))
         for layer, (block, rings) in enumerate(zip(self.blocks, slab[3:], strict=True), start=1):
-            x = block.step_rows(x, rings, _RingRows(read[layer], write[layer]), plan.layers[layer])
-        return self.head(self.out_norm(x))
+            x = block.step_rows(x, batch, rings, read[layer], write[layer], plan.layers[layer])
+        return self.head(self.out_norm(x)).view(batch, frames, -1)
 
     def _plan(self, frames: int, device: torch.device) -> _StepPlan:
         """Index tables for a step of ``frames`` frames (built once per frame count and device)."""

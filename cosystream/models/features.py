@@ -66,8 +66,10 @@ class LogMel(nn.Module):
         self.register_buffer("scale", torch.ones(n_mels))
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
-        # One 2-D matmul over contiguous rows: the strided windows of ``unfold`` make bmm slow.
-        spectrum = (frames.reshape(-1, frames.shape[-1]) @ self.dft_basis).unflatten(0, frames.shape[:-1])
+        # A 2-D matmul over contiguous rows: the strided windows of ``unfold`` make bmm slow.
+        if frames.dim() != 2:
+            return self.forward(frames.reshape(-1, frames.shape[-1])).unflatten(0, frames.shape[:-1])
+        spectrum = frames @ self.dft_basis
         real, imag = spectrum.split(self.n_used_bins, dim=-1)
         power = real * real + imag * imag
         log_mel = torch.log(power @ self.mel_basis + 1e-6)
