@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-window-ms", type=float, default=6.0, help="how long a realtime frame may wait to share a step"
     )
     serve.add_argument(
+        "--deadline-ms", type=float, default=50.0, help="a realtime frame waiting longer is a deadline miss"
+    )
+    serve.add_argument(
         "--batch-duty",
         type=float,
         default=None,
@@ -101,6 +104,7 @@ def serve(args: argparse.Namespace) -> int:
             max_batch=args.max_batch or args.max_sessions,
             graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
             realtime_batch_window_s=args.batch_window_ms / 1000,
+            deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
         )
     except ValueError as err:

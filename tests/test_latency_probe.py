@@ -1,0 +1,95 @@
+"""The latency probe against a live server (``cosystream serve`` in a subprocess), for a few seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks._harness import ROOT, Server
+from tests.speech import needs_espeak
+
+pytestmark = needs_espeak
+
+METRICS = ("first_packet_ms", "first_result_ms", "chunk_latency_ms", "final_latency_ms")
+
+
+def run_probe(server: Server, tmp_path, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "probe.json"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "clients" / "latency_probe.py"),
+            "--server",
+            server.address,
+            "--metrics-url",
+            server.metrics_url,
+            "--json",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(out.read_text()), completed.stdout
+
+
+def check_schema(result: dict, realtime: int, batch: int) -> None:
+    assert set(result) == {"classes", "config"}
+    for name, sessions in (("realtime", realtime), ("batch", batch)):
+        entry = result["classes"][name]
+        assert entry["sessions"] == sessions
+        assert isinstance(entry["deadline_misses"], int) and isinstance(entry["errors"], int)
+        for metric in METRICS:
+            stats = entry[metric]
+            assert set(stats) == {"p50", "p90", "p95", "p99", "max"}
+            values = [stats[k] for k in ("p50", "p90", "p95", "p99", "max")]
+            if sessions and metric != "first_result_ms":
+                assert all(v is not None and math.isfinite(v) and v >= 0 for v in values), (name, metric, stats)
+            present = [v for v in values if v is not None]
+            assert present == sorted(present), f"{name} {metric} percentiles out of order: {stats}"
+
+
+def test_probe_reports_both_classes(tmp_path):
+    with Server("--max-sessions", "16", "--frontends", "1") as server:
+        result, stdout = run_probe(server, tmp_path, "--realtime", "4", "--batch", "1", "--duration", "4")
+    check_schema(result, realtime=4, batch=1)
+    realtime, batch = result["classes"]["realtime"], result["classes"]["batch"]
+    assert realtime["errors"] == 0 and batch["errors"] == 0
+    assert realtime["deadline_misses"] == 0
+    assert batch["realtime_factor"] > 1.5, "BATCH sessions send faster than real time"
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("realtime=4 ") and "batch=1" in last
+
+
+def test_overloaded_run_shows_deadline_misses(tmp_path):
+    # A deadline far below what one step costs: every realtime frame misses it.
+    with Server("--max-sessions", "16", "--deadline-ms", "0.2", "--batch-window-ms", "0") as server:
+        result, _ = run_probe(server, tmp_path, "--realtime", "8", "--duration", "3")
+    check_schema(result, realtime=8, batch=0)
+    assert result["classes"]["realtime"]["deadline_misses"] > 100
+
+
+def test_compare_prints_both_runs(tmp_path):
+    with Server("--max-sessions", "8") as server:
+        first, _ = run_probe(server, tmp_path, "--realtime", "2", "--duration", "2")
+        (tmp_path / "first.json").write_text(json.dumps(first))
+        _, stdout = run_probe(
+            server, tmp_path, "--realtime", "2", "--duration", "2", "--compare", str(tmp_path / "first.json")
+        )
+    header = stdout.splitlines()[0]
+    assert "other p50" in header and "other p99" in header
+
+
+@pytest.mark.parametrize("flag", ["--plot"])
+def test_plot_writes_a_png(tmp_path, flag):
+    pytest.importorskip("matplotlib")
+    with Server("--max-sessions", "8") as server:
+        run_probe(server, tmp_path, "--realtime", "2", "--duration", "2", flag, str(tmp_path / "cdf.png"))
+    assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
