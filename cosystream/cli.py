@@ -13,10 +13,9 @@ import sys
 import tempfile
 
 from cosystream import __version__
+from cosystream.logs import configure as configure_logs
 
 log = logging.getLogger("cosystream")
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
 
 def default_frontends() -> int:
@@ -28,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosystream", description="A real-time streaming speech engine.")
     parser.add_argument("--version", action="version", version=f"cosystream {__version__}")
     parser.add_argument("--log-level", default=os.environ.get("COSYSTREAM_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default=os.environ.get("COSYSTREAM_LOG_FORMAT", "text")
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gRPC server")
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logs(args.log_level, args.log_format)
     if args.command == "serve":
         return serve(args)
     from cosystream.transcribe import transcribe_command
@@ -116,6 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=args.model,
         device=args.device,
         log_level=args.log_level.upper(),
+        log_format=args.log_format,
     )
     frontend = FrontendConfig(
         host=args.host,

@@ -23,6 +23,7 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.logs import configure as configure_logs
 from cosystream.runtime.runner import GraphMode
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class EngineProcessConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cpu_threads: int = 1
     log_level: str = "INFO"
+    log_format: str = "text"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,9 +71,7 @@ def exit_with_parent() -> None:
 
 def engine_main(config: EngineProcessConfig) -> None:
     exit_with_parent()
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s"
-    )
+    configure_logs(config.log_level, config.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -204,7 +204,9 @@ class _Stream:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("session %s: reading requests failed", self.session_id)
+            log.exception(
+                "session %s: reading requests failed", self.session_id, extra={"session_id": self.session_id}
+            )
             self._fail(grpc.StatusCode.INTERNAL, "the server failed to process the audio")
 
 
@@ -252,6 +254,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             config.encoding.name,
             config.sample_rate_hz,
             config.priority.name,
+            extra={"session_id": stream.session_id},
         )
         self.engine.open(stream.key, config.priority, stream)
         stream.reader = asyncio.create_task(stream.read(requests))
@@ -273,7 +276,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             stream.reader.cancel()
             self.engine.close(stream.key)
             self._streams.discard(stream)
-            log.info("session %s closed: %s", stream.session_id, outcome)
+            log.info("session %s closed: %s", stream.session_id, outcome, extra={"session_id": stream.session_id})
 
     async def GetServerInfo(self, request, context):
         info = self.info

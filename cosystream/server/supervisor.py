@@ -16,18 +16,17 @@ import signal
 from dataclasses import replace
 
 from cosystream.engine.process import EngineProcessConfig, exit_with_parent, start_engine
+from cosystream.logs import configure as configure_logs
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.server.frontend import Frontend, FrontendConfig
 
 log = logging.getLogger(__name__)
 
 
-def frontend_main(config: FrontendConfig, address: str, authkey: bytes, log_level: str) -> None:
+def frontend_main(config: FrontendConfig, address: str, authkey: bytes, log_level: str, log_format: str) -> None:
     """Entry point of a spawned frontend process."""
-    from cosystream.cli import LOG_FORMAT
-
     exit_with_parent()
-    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    configure_logs(log_level, log_format)
 
     async def run() -> None:
         frontend = Frontend(config, address, authkey)
@@ -119,7 +118,13 @@ class Supervisor:
         for index in range(1, self.frontends):
             child = context.Process(
                 target=frontend_main,
-                args=(sibling_config, self.process.address, self.process.authkey, self.process.log_level),
+                args=(
+                    sibling_config,
+                    self.process.address,
+                    self.process.authkey,
+                    self.process.log_level,
+                    self.process.log_format,
+                ),
                 name=f"cosystream-frontend-{index}",
             )
             child.start()
