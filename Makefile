@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # System packages the tests use (speech synthesis for test audio).
-APT_PACKAGES := espeak-ng sox
+APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins
 
 .PHONY: serve test lint protos check-protos install install-dev system-deps bench clean
 

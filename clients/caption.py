@@ -249,8 +249,8 @@ class MicrophoneSource:
             self._sd.check_input_settings(device=device, channels=1, dtype="int16", samplerate=MIC_RATE_HZ)
             self.name = self._sd.query_devices(device, "input")["name"]
         except (ValueError, self._sd.PortAudioError) as err:
-            which = f"{device!r}" if device is not None else "the default input"
-            raise CaptionError(f"no input device: {which}: {err} (see --list-devices)") from err
+            which = f"{device!r}: {err}" if device is not None else f"no default input ({err})"
+            raise CaptionError(f"no input device: {which}; see --list-devices") from err
         self.device = device
         self.overflows = 0
         self._queue: asyncio.Queue[tuple[bytes, object] | None] = asyncio.Queue()
@@ -325,6 +325,7 @@ class Captioner:
         self.config, self.source, self.captions = config, source, captions
         self.display = captions.display
         self.stopping = False
+        self.audio_s = 0.0
 
     def stop(self) -> None:
         """Stop listening; the server's last final still arrives."""
@@ -394,6 +395,7 @@ class Captioner:
                     if not sent:
                         self.display.status(f"listening to {self.source.name} (Ctrl-C to stop)")
                     sent += len(block) // 2
+                    self.audio_s = sent / self.source.rate_hz
                     if sent >= limit:
                         break
             await call.done_writing()
@@ -430,26 +432,19 @@ async def caption(config: CaptionConfig, display: PlainDisplay) -> Captions:
         display.close()
         for writer in writers:
             writer.close()
-    done = f"{captions.cues} captions" + "".join(f", {w.path}" for w in writers)
-    display.status(done)
+    files = "".join(f", {w.path}" for w in writers)
+    display.status(f"{captions.cues} caption(s) from {captioner.audio_s:.2f} s of audio{files}")
     return captions
 
 
 @contextlib.contextmanager
 def install_sigint(loop: asyncio.AbstractEventLoop, handler: Callable[[], None]):
-    try:
-        loop.add_signal_handler(signal.SIGINT, handler)
-    except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
-        previous = signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(handler))
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        return
+    """Ctrl-C calls ``handler`` on the loop (portable, unlike ``loop.add_signal_handler``)."""
+    previous = signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(handler))
     try:
         yield
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -464,13 +459,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vtt", type=Path, metavar="OUT", help="write the finals as WebVTT subtitles")
     parser.add_argument("--srt", type=Path, metavar="OUT", help="write the finals as SubRip subtitles")
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds of audio")
-    parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="(default: %(default)s)")
-    parser.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=10.0,
-        help="wait this long for the last final (default: %(default)s)",
-    )
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="give up connecting after this long")
+    parser.add_argument("--drain-timeout-s", type=float, default=10.0, help="wait for the last final this long")
     return parser.parse_args(argv)
 
 
@@ -492,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.list_devices:
-            print(import_sounddevice().query_devices())
+            print(import_sounddevice().query_devices() or "no audio devices found")
             return 0
         try:
             config = parse_config(args)
