@@ -190,3 +190,19 @@ def test_no_capture_after_start_up(model):
             runner._graphs.capture(("late", 1), lambda: None)
     finally:
         model.to("cpu")
+
+
+def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
+    from cosystream.engine import ipc
+    from cosystream.engine.core import EngineConfig, EngineCore
+
+    core = EngineCore(model, EngineConfig(max_sessions=2, max_batch=2, queue_frames=16), torch.device("cpu"))
+    message = ipc.ToEngine(ops=[(ipc.OPEN, 7, 1)])
+    message.add_frames(7, np.zeros((40, FRAME_SAMPLES), np.float32))
+    core.handle(0, message.pack())
+    stepped = 0
+    while (plan := core.step()) is not None:
+        stepped += plan.rows * plan.frames
+    assert stepped == 16
+    box = core.take_outbox()[0]
+    assert box.events == [(ipc.OPENED, 7)] and sum(len(ids) for ids in box.ids) == 16

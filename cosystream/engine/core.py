@@ -150,9 +150,14 @@ class EngineCore:
     def _enqueue(self, slot: int, frames: np.ndarray, arrival_s: float) -> None:
         count = len(frames)
         capacity = self.config.queue_frames
-        if self._tail[slot] - self._head[slot] + count > capacity:
-            # Frontends keep at most queue_frames in flight per session; this is a bug, not load.
-            raise RuntimeError(f"slot {slot}: more than {capacity} frames queued")
+        room = capacity - int(self._tail[slot] - self._head[slot])
+        if count > room:
+            # Frontends keep fewer frames than this in flight per session, so this is a frontend bug, not
+            # load: drop the excess (that session's transcript suffers) rather than stop every session.
+            log.error(
+                "slot %d: %d frames queued, %d more do not fit; dropping them", slot, capacity - room, count - room
+            )
+            frames, count = frames[:room], room
         index = (self._tail[slot] + np.arange(count)) % capacity
         self._queue[slot, index] = frames
         self._tail[slot] += count
