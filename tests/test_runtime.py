@@ -196,7 +196,8 @@ def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
     from cosystream.engine import ipc
     from cosystream.engine.core import EngineConfig, EngineCore
 
-    core = EngineCore(model, EngineConfig(max_sessions=2, max_batch=2, queue_frames=16), torch.device("cpu"))
+    config = EngineConfig(max_sessions=2, max_batch=2, queue_frames=16, realtime_batch_window_s=0)
+    core = EngineCore(model, config, torch.device("cpu"))
     message = ipc.ToEngine(ops=[(ipc.OPEN, 7, 1)])
     message.add_frames(7, np.zeros((40, FRAME_SAMPLES), np.float32))
     core.handle(0, message.pack())
