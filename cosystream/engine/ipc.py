@@ -3,7 +3,8 @@
 One message per tick in each direction and per frontend, not one per audio chunk: a frontend coalesces
 every op and frame its sessions produced during one event-loop iteration; the engine sends each frontend
 the results of one step in one message. Messages are tuples of plain values and numpy arrays over a
-``multiprocessing`` pipe (pickle protocol 5); ``benchmarks/ipc.py`` measures the cost.
+``multiprocessing.connection`` Unix socket (pickle protocol 5); ``benchmarks/ipc.py`` measures it against
+pyzmq and against one message per chunk.
 
 Frontend -> engine, ``ToEngine``: ops first (in order), then frames.
 Engine -> frontend, ``ToFrontend``: events first, then results.
