@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("--realtime", action="store_true", help="pace the audio at real time (REALTIME)")
     transcribe.add_argument("--interim", action="store_true", help="print interim results too")
     transcribe.add_argument("--words", action="store_true", help="print word time offsets")
+
+    evaluate = commands.add_parser("eval", help="WER, CER and real-time factor on a test set")
+    evaluate.add_argument("test_set", help="a directory of NAME.wav + NAME.txt, or a JSONL manifest")
+    evaluate.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    evaluate.add_argument("--telephone", action="store_true", help="through an 8 kHz mu-law round trip first")
+    evaluate.add_argument("--json", default=None, help="write the scores and every hypothesis here")
+    evaluate.add_argument("--show", type=int, default=5, help="print this many reference/hypothesis pairs")
     return parser
 
 
@@ -78,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs(args.log_level, args.log_format)
     if args.command == "serve":
         return serve(args)
+    if args.command == "eval":
+        from cosystream.evaluate import eval_command
+
+        return eval_command(args)
     from cosystream.transcribe import transcribe_command
 
     return transcribe_command(args)

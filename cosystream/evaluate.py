@@ -1,0 +1,167 @@
+"""``cosystream eval``: word and character error rates and real-time factor of a model on a test set.
+
+Audio streams through the same ``Runner`` and state slab the server uses (16 frames a step, then single
+frames for the tail), decoded with the same greedy CTC decoder, without VAD: one hypothesis per file.
+
+A test set is a directory of ``NAME.wav`` files, each with its transcript in ``NAME.txt``, or a JSONL
+manifest of ``{"audio": PATH, "text": TRANSCRIPT}`` lines (paths relative to the manifest).
+``--telephone`` first passes the audio through an 8 kHz G.711 mu-law round trip, as a phone call would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soxr
+import torch
+
+from cosystream.models import FRAME_SAMPLES, load_model
+from cosystream.runtime.runner import Runner, RunnerConfig
+from cosystream.runtime.slab import StateSlab
+from cosystream.server.audio import MULAW_TO_INT16, encode_mulaw
+from cosystream.server.ctc import CtcDecoder
+from cosystream.transcribe import read_wav
+
+STEP_FRAMES = 16
+
+
+@dataclass(slots=True)
+class Utterance:
+    name: str
+    audio: np.ndarray  # float32, 16 kHz
+    reference: str
+
+
+@dataclass(slots=True)
+class Scored:
+    name: str
+    reference: str
+    hypothesis: str
+    word_errors: int
+    words: int
+    char_errors: int
+    chars: int
+
+
+def normalize(text: str) -> str:
+    """Lower case, the model's alphabet (a-z, apostrophe), single spaces."""
+    text = re.sub(r"[^a-z' ]+", " ", text.lower().replace("-", " "))
+    return " ".join(word.strip("'") for word in text.split() if word.strip("'"))
+
+
+def edit_distance(reference: list, hypothesis: list) -> int:
+    previous = list(range(len(hypothesis) + 1))
+    for i, ref in enumerate(reference, start=1):
+        current = [i]
+        for j, hyp in enumerate(hypothesis, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ref != hyp)))
+        previous = current
+    return previous[-1]
+
+
+def load_set(path: Path) -> list[Utterance]:
+    if path.is_dir():
+        pairs = [(wav, wav.with_suffix(".txt").read_text()) for wav in sorted(path.glob("*.wav"))]
+    else:
+        pairs = []
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                pairs.append((path.parent / entry["audio"], entry["text"]))
+    if not pairs:
+        raise ValueError(f"{path}: no WAV files with transcripts")
+    utterances = []
+    for wav, text in pairs:
+        samples, rate = read_wav(str(wav))
+        audio = soxr.resample(samples.astype(np.float32) / 32768, rate, 16000).astype(np.float32)
+        utterances.append(Utterance(Path(wav).stem, audio, text))
+    return utterances
+
+
+def telephone(audio: np.ndarray) -> np.ndarray:
+    """16 kHz -> 8 kHz -> G.711 mu-law -> 8 kHz -> 16 kHz."""
+    narrow = soxr.resample(audio, 16000, 8000)
+    decoded = MULAW_TO_INT16[np.frombuffer(encode_mulaw(narrow), np.uint8)].astype(np.float32) / 32768
+    return soxr.resample(decoded, 8000, 16000).astype(np.float32)
+
+
+def recognize(runner: Runner, decoder: CtcDecoder, audio: np.ndarray) -> str:
+    slot = runner.slab.alloc()
+    try:
+        decoder.reset()
+        frames = len(audio) // FRAME_SAMPLES
+        done = 0
+        while done < frames:
+            step = STEP_FRAMES if frames - done >= STEP_FRAMES else 1
+            chunk = audio[done * FRAME_SAMPLES : (done + step) * FRAME_SAMPLES]
+            result = runner.run([slot], chunk[None])
+            decoder.push(result.ids[0], result.logprobs[0], done)
+            done += step
+        return decoder.text
+    finally:
+        runner.slab.free(slot)
+
+
+def evaluate(model_path: str | None, test_set: Path, telephone_band: bool = False) -> dict:
+    torch.set_num_threads(1)
+    model = load_model(model_path)
+    runner = Runner(
+        model, StateSlab(model.cache_specs(), 1), RunnerConfig(max_batch=1, frame_buckets=(1, STEP_FRAMES))
+    )
+    decoder = CtcDecoder(model.vocabulary)
+    scored, audio_s, compute_s = [], 0.0, 0.0
+    for utterance in load_set(test_set):
+        audio = telephone(utterance.audio) if telephone_band else utterance.audio
+        started = time.perf_counter()
+        hypothesis = recognize(runner, decoder, audio)
+        compute_s += time.perf_counter() - started
+        audio_s += len(audio) / 16000
+        reference = normalize(utterance.reference)
+        scored.append(
+            Scored(
+                utterance.name,
+                reference,
+                hypothesis,
+                edit_distance(reference.split(), hypothesis.split()),
+                len(reference.split()),
+                edit_distance(list(reference), list(hypothesis)),
+                len(reference),
+            )
+        )
+    words = sum(s.words for s in scored)
+    chars = sum(s.chars for s in scored)
+    return {
+        "test_set": str(test_set),
+        "telephone": telephone_band,
+        "utterances": len(scored),
+        "audio_seconds": audio_s,
+        "wer": sum(s.word_errors for s in scored) / max(1, words),
+        "cer": sum(s.char_errors for s in scored) / max(1, chars),
+        "real_time_factor": compute_s / max(audio_s, 1e-9),
+        "examples": [{"name": s.name, "reference": s.reference, "hypothesis": s.hypothesis} for s in scored],
+    }
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    try:
+        result = evaluate(args.model, Path(args.test_set), args.telephone)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"cosystream eval: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    for example in result["examples"][: args.show]:
+        print(f"{example['name']}\n  ref: {example['reference']}\n  hyp: {example['hypothesis']}")
+    band = "8 kHz mu-law" if result["telephone"] else "16 kHz"
+    print(
+        f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s ({band}): "
+        f"WER {result['wer'] * 100:.1f}%  CER {result['cer'] * 100:.1f}%  RTF {result['real_time_factor']:.3f}"
+    )
+    return 0
