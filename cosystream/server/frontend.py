@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosystream.metrics import FrontendMetrics
+from cosystream.server.compat import add_compat_services
 from cosystream.server.engine_client import EngineClient
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
@@ -27,7 +28,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CosyStream"].full_name
 class FrontendConfig:
     host: str = "0.0.0.0"
     port: int = 50051
-    max_message_bytes: int = 1 << 20  # a larger request is refused with RESOURCE_EXHAUSTED
+    max_message_bytes: int = (
+        10 << 20
+    )  # a larger request is refused with RESOURCE_EXHAUSTED (Google sends <= 10 MB)
     drain_grace_s: float = 10.0
     stream: StreamOptions = field(default_factory=StreamOptions)
 
@@ -54,9 +57,15 @@ class Frontend:
         ]
         self.server = grpc.aio.server(options=options)
         pb_grpc.add_CosyStreamServicer_to_server(self.servicer, self.server)
+        compat_services = add_compat_services(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                *compat_services,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
@@ -64,7 +73,8 @@ class Frontend:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        for name in (SERVICE_NAME, *compat_services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s:%d", self.config.host, self.port)
         return self.port
 

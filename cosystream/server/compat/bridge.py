@@ -1,0 +1,317 @@
+"""What the Google and Riva adapters share: a foreign stream driven through the native servicer.
+
+An adapter is not a second engine. Per stream it reads the foreign config, validates it with the foreign
+protocol's wording, reads up to the first audio to sniff a WAV header, and then hands
+``CosyStreamServicer.StreamingRecognize`` an async iterator of native requests (config first, then the
+audio, downmixed when it has several channels). Each native response is translated into zero or more
+foreign ones. Errors keep the native status codes, except where a protocol's clients mishandle one
+before the first response (:class:`AbortGuard`).
+
+Both protocols name their request oneof's fields ``streaming_config`` and ``audio_content``, and their
+config fields ``encoding``, ``sample_rate_hertz`` and ``audio_channel_count``, so the audio side is
+shared as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import grpc
+import numpy as np
+
+from cosystream.server.audio import (
+    ALAW_TO_INT16,
+    MAX_INPUT_RATE_HZ,
+    MIN_INPUT_RATE_HZ,
+    MULAW_TO_INT16,
+    AudioEncoding,
+)
+from cosystream.server.compat.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
+from cosystream.server.servicer import CosyStreamServicer
+from cosystream.v1 import cosystream_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_CHANNELS = 8
+_REJECTED = {grpc.StatusCode.DEADLINE_EXCEEDED: "idle_timeout"}  # the native servicer's metric labels
+DEFAULT_RATE_HZ = 16000  # only for a stream that ends before any audio, so that it ends OK
+
+
+class CompatError(Exception):
+    """A foreign request the adapter refuses; ends the stream with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class AbortGuard:
+    """The servicer context the native servicer sees for a foreign stream.
+
+    Aborts pass through it so that a protocol can replace status codes its clients mishandle before the
+    first response (Google's client retries UNAVAILABLE and DEADLINE_EXCEEDED with a half-consumed request
+    iterator). Everything else is the real context.
+    """
+
+    def __init__(self, context: grpc.aio.ServicerContext, early_codes: Mapping[grpc.StatusCode, grpc.StatusCode]):
+        self._context = context
+        self._early_codes = early_codes
+        self.responded = False
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        if not self.responded:
+            code = self._early_codes.get(code, code)
+        await self._context.abort(code, details, trailing_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+@dataclass(frozen=True, slots=True)
+class AudioFormat:
+    """A stream's audio as declared by its config (UNSPECIFIED / 0: not declared) or as resolved."""
+
+    encoding: AudioEncoding
+    sample_rate_hz: int
+    channels: int
+
+
+def check_declared(declared: AudioFormat) -> None:
+    """Refuse a declared rate or channel count at once, before any audio is read."""
+    rate = declared.sample_rate_hz
+    if rate and not MIN_INPUT_RATE_HZ <= rate <= MAX_INPUT_RATE_HZ:
+        raise CompatError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sample_rate_hertz={rate} is not supported: use {MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ}",
+        )
+    if not 0 <= declared.channels <= MAX_CHANNELS:
+        raise CompatError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"audio_channel_count={declared.channels} is not supported: use 1 to {MAX_CHANNELS}",
+        )
+
+
+def resolve_format(
+    declared: AudioFormat, wav: WavFormat | None, empty: bool, encoding_names: Mapping[AudioEncoding, str]
+) -> AudioFormat:
+    """The format to decode: the WAV header's where there is one (a declared field must then match it),
+    else the declared one, which must be complete."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if wav is not None:
+        if declared.encoding not in (AudioEncoding.UNSPECIFIED, wav.encoding):
+            raise CompatError(
+                bad,
+                f"encoding {encoding_names[declared.encoding]} does not match the WAV header "
+                f"({encoding_names.get(wav.encoding, wav.encoding.name)}): leave it unspecified or make it match",
+            )
+        if declared.sample_rate_hz not in (0, wav.sample_rate_hz):
+            raise CompatError(
+                bad,
+                f"sample_rate_hertz={declared.sample_rate_hz} does not match the WAV header "
+                f"({wav.sample_rate_hz}): leave it 0 or make it match",
+            )
+        if declared.channels > 1 and declared.channels != wav.channels:
+            raise CompatError(
+                bad,
+                f"audio_channel_count={declared.channels} does not match the WAV header ({wav.channels})",
+            )
+        resolved = AudioFormat(wav.encoding, wav.sample_rate_hz, wav.channels)
+    elif empty:
+        resolved = AudioFormat(
+            declared.encoding or AudioEncoding.LINEAR16, declared.sample_rate_hz or DEFAULT_RATE_HZ, 1
+        )
+    else:
+        resolved = AudioFormat(declared.encoding, declared.sample_rate_hz, declared.channels or 1)
+    if resolved.encoding == AudioEncoding.UNSPECIFIED:
+        names = ", ".join(name for code, name in encoding_names.items() if code)
+        raise CompatError(bad, f"encoding is unspecified and the audio has no WAV header: set it to {names}")
+    if resolved.sample_rate_hz == 0:
+        raise CompatError(bad, "sample_rate_hertz is required unless the audio starts with a WAV header")
+    check_declared(resolved)
+    return resolved
+
+
+class Downmixer:
+    """Interleaved multi-channel audio to mono LINEAR16 (the mean of the channels); a frame split across
+    chunks is carried to the next one."""
+
+    __slots__ = ("_carry", "_channels", "_frame_bytes", "_table")
+
+    def __init__(self, encoding: AudioEncoding, channels: int):
+        self._channels = channels
+        self._table = {AudioEncoding.MULAW: MULAW_TO_INT16, AudioEncoding.ALAW: ALAW_TO_INT16}.get(encoding)
+        self._frame_bytes = channels * (1 if self._table is not None else 2)
+        self._carry = b""
+
+    def push(self, chunk: bytes) -> bytes:
+        data = self._carry + chunk if self._carry else chunk
+        usable = len(data) - len(data) % self._frame_bytes
+        self._carry = data[usable:]
+        if not usable:
+            return b""
+        if self._table is not None:
+            samples = self._table[np.frombuffer(data, np.uint8, usable)]
+        else:
+            samples = np.frombuffer(data, "<i2", usable // 2)
+        frames = samples.reshape(-1, self._channels).astype(np.int32)
+        return (frames.sum(axis=1) // self._channels).astype("<i2").tobytes()
+
+
+class AudioInput:
+    """The requests of one foreign stream after its config, as native requests."""
+
+    def __init__(self, requests: AsyncIterator, idle_timeout_s: float):
+        self._requests = requests
+        self._idle_timeout_s = idle_timeout_s
+        self._head = b""  # audio read while sniffing, header stripped
+        self._pending = None  # a non-audio request read while sniffing
+        self._ended = False
+        self._downmix: Downmixer | None = None
+        self.stopped = False  # set to stop forwarding audio (a single utterance has ended)
+
+    async def next_request(self):
+        """The next foreign request (None when the client half-closed), within the idle timeout."""
+        try:
+            return await asyncio.wait_for(anext(self._requests), self._idle_timeout_s)
+        except StopAsyncIteration:
+            self._ended = True
+            return None
+        except TimeoutError:
+            raise CompatError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no request for {self._idle_timeout_s:g} s: the session was closed",
+            ) from None
+
+    @property
+    def empty(self) -> bool:
+        """The client half-closed before sending any audio."""
+        return self._ended and not self._head
+
+    async def sniff(self) -> WavFormat | None:
+        """Read up to the first audio bytes; parse and strip a WAV header there. Call once, after the config."""
+        head = bytearray()
+        while len(head) < WAV_SNIFF_BYTES:
+            request = await self.next_request()
+            if request is None:
+                break
+            if not request.HasField("audio_content"):
+                self._pending = request
+                break
+            head += request.audio_content
+        wav = None
+        if is_wav(head):
+            while True:
+                try:
+                    parsed = parse_wav_header(head)
+                except ValueError as err:
+                    raise CompatError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+                if parsed is not None:
+                    break
+                request = await self.next_request()
+                if request is None or not request.HasField("audio_content"):
+                    raise CompatError(grpc.StatusCode.INVALID_ARGUMENT, "the audio ends inside its WAV header")
+                head += request.audio_content
+            wav, offset = parsed
+            del head[:offset]
+        self._head = bytes(head)
+        return wav
+
+    def _audio(self, data: bytes) -> pb.StreamingRecognizeRequest | None:
+        if self._downmix is not None:
+            data = self._downmix.push(data)
+        return pb.StreamingRecognizeRequest(audio=data) if data else None
+
+    async def native_requests(
+        self, audio: AudioFormat, config: pb.StreamingConfig
+    ) -> AsyncIterator[pb.StreamingRecognizeRequest]:
+        """The native stream: ``config`` with the resolved audio format filled in, then the audio."""
+        encoding = audio.encoding
+        if audio.channels > 1:
+            self._downmix = Downmixer(encoding, audio.channels)
+            encoding = AudioEncoding.LINEAR16
+        config.encoding = int(encoding)
+        config.sample_rate_hz = audio.sample_rate_hz
+        yield pb.StreamingRecognizeRequest(config=config)
+        if self._head and (request := self._audio(self._head)) is not None:
+            yield request
+        foreign = self._pending
+        while not self.stopped:
+            if foreign is None:
+                if self._ended:
+                    return
+                try:
+                    foreign = await anext(self._requests)
+                except StopAsyncIteration:
+                    return
+            if foreign.HasField("audio_content"):
+                if (request := self._audio(foreign.audio_content)) is not None:
+                    yield request
+            elif foreign.HasField("streaming_config"):
+                # The native servicer refuses a second config (INVALID_ARGUMENT), and an empty request.
+                yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig())
+            else:
+                yield pb.StreamingRecognizeRequest()
+            foreign = None
+
+
+class Translation:
+    """One foreign stream's mapping, built from its first request (which may be None: no request came).
+
+    Subclasses set ``declared`` (the audio the config declares), ``native_config`` (the rest of the native
+    config) and ``encoding_names``, raise :class:`CompatError` for a config they refuse, and translate
+    native responses. ``stop_audio`` stops forwarding audio; ``done`` ends the stream with OK.
+    """
+
+    declared: AudioFormat
+    native_config: pb.StreamingConfig
+    encoding_names: Mapping[AudioEncoding, str]
+    stop_audio = False
+    done = False
+
+    def translate(self, response: pb.StreamingRecognizeResponse) -> Iterable[Any]:
+        raise NotImplementedError
+
+
+class StreamAdapter:
+    """A foreign ``StreamingRecognize`` served by the native servicer."""
+
+    translation: ClassVar[type[Translation]]
+    early_codes: ClassVar[Mapping[grpc.StatusCode, grpc.StatusCode]] = MappingProxyType({})
+
+    def __init__(self, servicer: CosyStreamServicer):
+        self.servicer = servicer
+
+    def open(self, first) -> Translation:
+        return self.translation(first)
+
+    async def StreamingRecognize(self, request_iterator, context):
+        guard = AbortGuard(context, self.early_codes)
+        audio = AudioInput(aiter(request_iterator), self.servicer.options.idle_timeout_s)
+        try:
+            translation = self.open(await audio.next_request())
+            check_declared(translation.declared)
+            wav = await audio.sniff()
+            audio_format = resolve_format(translation.declared, wav, audio.empty, translation.encoding_names)
+        except CompatError as err:
+            log.debug("%s refused: %s %s", type(self).__name__, err.code.name, err.message)
+            self.servicer.metrics.rejected(_REJECTED.get(err.code, "invalid_argument"))
+            await guard.abort(err.code, err.message)
+        native = self.servicer.StreamingRecognize(
+            audio.native_requests(audio_format, translation.native_config), guard
+        )
+        try:
+            async for response in native:
+                for foreign in translation.translate(response):
+                    guard.responded = True
+                    yield foreign
+                audio.stopped = translation.stop_audio
+                if translation.done:
+                    break
+        finally:
+            await native.aclose()

@@ -1,0 +1,152 @@
+"""``nvidia.riva.asr.RivaSpeechRecognition`` (StreamingRecognize, GetRivaSpeechRecognitionConfig) over the
+native servicer, with the message classes the nvidia-riva-client wheel ships (``riva/client/proto``).
+
+Mapping decisions (docs/COMPAT.md has the user-facing list):
+  * each native result becomes one response with one result and one alternative; speech events have no
+    Riva counterpart and are dropped;
+  * ``audio_processed`` is float seconds, word ``start_time`` / ``end_time`` int32 ms from the start of
+    the stream (Riva's units);
+  * ``endpointing_config.stop_history`` (ms) becomes the native ``silence_ms`` (rounded up to 10 ms);
+  * the request ``id`` of the first request is echoed on every response;
+  * status codes are the native ones (Riva's client does not retry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+from riva.client.proto import riva_asr_pb2 as rasr
+from riva.client.proto import riva_audio_pb2 as raudio
+
+from cosystream.server.audio import AudioEncoding
+from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
+from cosystream.server.servicer import CosyStreamServicer
+from cosystream.v1 import cosystream_pb2 as pb
+
+SERVICE_NAME = rasr.DESCRIPTOR.services_by_name["RivaSpeechRecognition"].full_name
+LANGUAGE_CODE = "en-US"
+
+_ENCODINGS = {
+    raudio.ENCODING_UNSPECIFIED: AudioEncoding.UNSPECIFIED,
+    raudio.LINEAR_PCM: AudioEncoding.LINEAR16,
+    raudio.MULAW: AudioEncoding.MULAW,
+    raudio.ALAW: AudioEncoding.ALAW,
+}
+_ENCODING_NAMES = {
+    AudioEncoding.UNSPECIFIED: "ENCODING_UNSPECIFIED",
+    AudioEncoding.LINEAR16: "LINEAR_PCM",
+    AudioEncoding.MULAW: "MULAW",
+    AudioEncoding.ALAW: "ALAW",
+}
+_BAD = grpc.StatusCode.INVALID_ARGUMENT
+_FRAME_MS = 10
+
+
+def _unavailable_model(config) -> CompatError:
+    """Riva's wording for a language or model it does not serve."""
+    model = f" model={config.model};" if config.model else ""
+    return CompatError(
+        _BAD,
+        "Error: Unavailable model requested given these parameters: "
+        f"language_code={config.language_code}; sample_rate={config.sample_rate_hertz}; type=online;{model}",
+    )
+
+
+class RivaTranslation(Translation):
+    encoding_names = _ENCODING_NAMES
+
+    def __init__(self, first, model_name: str):
+        if first is None or not first.HasField("streaming_config"):
+            raise CompatError(_BAD, "the first request must carry streaming_config, then audio_content")
+        streaming = first.streaming_config
+        config = streaming.config
+        if config.language_code.lower() not in ("", LANGUAGE_CODE.lower()) or config.model not in ("", model_name):
+            raise _unavailable_model(config)
+        if config.encoding not in _ENCODINGS:
+            known = raudio.AudioEncoding.DESCRIPTOR.values_by_number.get(config.encoding)
+            name = known.name if known is not None else config.encoding
+            raise CompatError(
+                _BAD,
+                f"encoding {name} is not supported: use LINEAR_PCM, MULAW or ALAW, "
+                "or send a WAV file with the encoding unspecified",
+            )
+        if config.enable_separate_recognition_per_channel:
+            raise CompatError(
+                _BAD, "enable_separate_recognition_per_channel is not supported: channels are mixed down to one"
+            )
+        self.declared = AudioFormat(
+            _ENCODINGS[config.encoding], config.sample_rate_hertz, config.audio_channel_count
+        )
+        endpointing = pb.EndpointingConfig()
+        if config.HasField("endpointing_config") and config.endpointing_config.stop_history > 0:
+            stop_ms = config.endpointing_config.stop_history
+            endpointing.silence_ms = -(-stop_ms // _FRAME_MS) * _FRAME_MS
+        self.native_config = pb.StreamingConfig(
+            interim_results=streaming.interim_results,
+            enable_word_time_offsets=config.enable_word_time_offsets,
+            endpointing=endpointing,
+        )
+        self.request_id = first.id if first.HasField("id") else None
+
+    def translate(self, response: pb.StreamingRecognizeResponse) -> Iterator[rasr.StreamingRecognizeResponse]:
+        for native in response.results:
+            out = rasr.StreamingRecognizeResponse()
+            if self.request_id is not None:
+                out.id.CopyFrom(self.request_id)
+            result = out.results.add(
+                is_final=native.is_final,
+                stability=native.stability,
+                audio_processed=response.latency.audio_processed_ms / 1000,
+            )
+            alternative = result.alternatives.add(transcript=native.transcript, confidence=native.confidence)
+            for word in native.words:
+                alternative.words.add(
+                    word=word.word, start_time=word.start_ms, end_time=word.end_ms, confidence=word.confidence
+                )
+            yield out
+
+
+class RivaAsrAdapter(StreamAdapter):
+    translation = RivaTranslation
+
+    def open(self, first) -> Translation:
+        return RivaTranslation(first, self.servicer.info["model_name"])
+
+    async def GetRivaSpeechRecognitionConfig(self, request, context):
+        """The model this server runs, in the shape ``--list-models`` clients read."""
+        name = self.servicer.info["model_name"]
+        response = rasr.RivaSpeechRecognitionConfigResponse()
+        if request.model_name in ("", name):
+            config = response.model_config.add(model_name=name)
+            config.parameters.update(
+                {
+                    "type": "online",
+                    "streaming": "true",
+                    "language_code": LANGUAGE_CODE,
+                    "sample_rate": "16000",
+                    "chunk_size": str(_FRAME_MS / 1000),
+                    "encodings": "LINEAR_PCM,MULAW,ALAW",
+                }
+            )
+        return response
+
+
+def add_to_server(servicer: CosyStreamServicer, server: grpc.aio.Server) -> str:
+    """Serve the Riva protocol on ``server``; returns the service name (for reflection and health)."""
+    adapter = RivaAsrAdapter(servicer)
+    handlers = {
+        "StreamingRecognize": grpc.stream_stream_rpc_method_handler(
+            adapter.StreamingRecognize,
+            request_deserializer=rasr.StreamingRecognizeRequest.FromString,
+            response_serializer=rasr.StreamingRecognizeResponse.SerializeToString,
+        ),
+        "GetRivaSpeechRecognitionConfig": grpc.unary_unary_rpc_method_handler(
+            adapter.GetRivaSpeechRecognitionConfig,
+            request_deserializer=rasr.RivaSpeechRecognitionConfigRequest.FromString,
+            response_serializer=rasr.RivaSpeechRecognitionConfigResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    return SERVICE_NAME
