@@ -300,8 +300,8 @@ def test_server_unreachable(tmp_path):
 
 def test_server_refusal_shows_its_status(server, tmp_path):
     wav = write_wav(tmp_path / "low.wav", silence(0.5, 4000), rate_hz=4000)  # below the server's 8 kHz
-    run = run_client("--server", server.address, "--file", str(wav))
-    assert run.returncode == 1
+    run = run_client("--server", server.address, "--file", str(wav), "--connect-timeout-s", "30")
+    assert run.returncode == 1, run.stderr
     error = run.stderr.splitlines()[-1]
     assert error.startswith("caption: error: server refused the stream: INVALID_ARGUMENT: ") and "4000" in error
 
