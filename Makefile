@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # System packages the tests use (speech synthesis for test audio).
-APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins
+APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins \
+	baresip-core gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good
 
 .PHONY: serve test lint protos check-protos install install-dev system-deps bench clean
 

@@ -1,0 +1,217 @@
+"""The media side of one SIP call: its RTP port, jitter buffer and cosystream session, and the call's
+clock (stalled-buffer release, silence while no packet arrives, the RTP timeout, the flush timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+from .asr import ENCODING_OF_CODEC, SAMPLE_RATE_HZ, AsrStream, streaming_config
+from .config import GatewayConfig
+from .output import CallInfo, ResultSink
+from .rtp import SILENCE_BYTE, JitterBuffer, PortPool, RtpError, parse_rtp
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.1
+FRAME_SAMPLES = SAMPLE_RATE_HZ // 50  # 20 ms
+
+
+class CallSlots:
+    """The ``--max-calls`` budget, shared by every ingress (SIP, AudioSocket)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.active = 0
+
+    def try_acquire(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active = max(self.active - 1, 0)
+
+
+class MalformedLog:
+    """Logs malformed datagrams without letting a flood of them flood the log."""
+
+    def __init__(self, what: str, log: logging.Logger):
+        self.what = what
+        self.log = log
+        self.count = 0
+
+    def __call__(self, source: tuple[str, int], reason: object) -> None:
+        self.count += 1
+        if self.count <= 20 or self.count % 1000 == 0:
+            self.log.warning(
+                "ignored malformed %s datagram #%d from %s:%d: %s", self.what, self.count, *source[:2], reason
+            )
+
+
+class _RtpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, call: RtpCall):
+        self._call = call
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self._call.on_datagram(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        logger.debug("call %s: RTP socket error: %s", self._call.info.call_id, exc)
+
+
+class RtpCall:
+    """RTP in, through the jitter buffer, to a cosystream session; results to the sink.
+
+    :meth:`run` lasts the whole call. :meth:`hangup` (the caller's BYE, the RTP timeout, shutdown)
+    stops the media, flushes the buffer and half-closes the session, and :meth:`run` returns once the
+    server sent the last final (or ``flush_timeout_s`` passed). A failed session raises from
+    :meth:`run` as ``grpc.aio.AioRpcError``.
+    """
+
+    def __init__(
+        self,
+        info: CallInfo,
+        codec: str,
+        payload_type: int,
+        stub: pb_grpc.CosyStreamStub,
+        config: GatewayConfig,
+        sink: ResultSink,
+        malformed: MalformedLog,
+    ):
+        self.info = info
+        self.codec = codec
+        self.config = config
+        self.jitter = JitterBuffer(payload_type, SILENCE_BYTE[codec], depth_packets=max(config.jitter_ms // 20, 0))
+        self.asr = AsrStream(
+            stub,
+            streaming_config(ENCODING_OF_CODEC[codec], config.interim_results),
+            lambda result: sink.write(info, result),
+        )
+        self._malformed = malformed
+        self.port: int | None = None
+        self._pool: PortPool | None = None
+        self._transport: asyncio.DatagramTransport | None = None
+        self.end_reason = ""
+        self._started_s = time.monotonic()
+        self._last_packet_s: float | None = None
+        self._accounted_s = 0.0  # wall time up to which audio (received or filled) was fed
+        self._hangup_s: float | None = None
+
+    async def open(self, host: str, pool: PortPool) -> int | None:
+        """Bind an RTP port from ``pool`` (skipping ports something else holds); None when none is free."""
+        loop = asyncio.get_running_loop()
+        for _ in range(len(pool)):
+            port = pool.acquire()
+            if port is None:
+                break
+            try:
+                self._transport, _ = await loop.create_datagram_endpoint(
+                    lambda: _RtpProtocol(self), local_addr=(host, port)
+                )
+            except OSError:
+                pool.release(port)
+                continue
+            self.port, self._pool = port, pool
+            return port
+        return None
+
+    def close(self) -> None:
+        """Release the socket and the port (idempotent)."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._pool is not None and self.port is not None:
+            self._pool.release(self.port)
+            self._pool = None
+
+    @property
+    def hung_up(self) -> bool:
+        return self._hangup_s is not None
+
+    def on_datagram(self, data: bytes, source: tuple[str, int]) -> None:
+        if self.hung_up:
+            return
+        try:
+            packet = parse_rtp(data)
+        except RtpError as err:
+            self._malformed(source, err)
+            return
+        if packet is None:  # RTCP
+            return
+        now = time.monotonic()
+        if self._last_packet_s is None:
+            logger.info("call %s: first RTP packet from %s:%d", self.info.call_id, *source[:2])
+        self._last_packet_s = self._accounted_s = now
+        for audio in self.jitter.push(packet):
+            self.asr.feed(audio)
+
+    def hangup(self, reason: str) -> None:
+        """End the media now; the session flushes and :meth:`run` returns after the last final."""
+        if self.hung_up:
+            return
+        self._hangup_s = time.monotonic()
+        self.end_reason = reason
+        if self._transport is not None:
+            self._transport.close()
+        for audio in self.jitter.flush():
+            self.asr.feed(audio)
+        self.asr.close()
+
+    async def run(self) -> None:
+        self._started_s = time.monotonic()
+        session = asyncio.ensure_future(self.asr.run())
+        try:
+            while not (await asyncio.wait({session}, timeout=TICK_S))[0]:
+                self._tick(session)
+            if session.cancelled():
+                logger.warning(
+                    "call %s: no last final within %g s of the hang-up",
+                    self.info.call_id,
+                    self.config.flush_timeout_s,
+                )
+                return
+            session.result()
+            if not self.end_reason:
+                self.end_reason = "the server ended the session"
+        finally:
+            if not session.done():
+                session.cancel()
+                with contextlib.suppress(BaseException):
+                    await session
+            self.close()
+
+    def _tick(self, session: asyncio.Future) -> None:
+        now = time.monotonic()
+        if self._hangup_s is not None:
+            if now - self._hangup_s > self.config.flush_timeout_s:
+                session.cancel()
+            return
+        idle_s = now - (self._last_packet_s or self._started_s)
+        if idle_s >= self.config.rtp_timeout_s:
+            what = "no RTP at all" if self._last_packet_s is None else "RTP stopped"
+            self.hangup(f"{what} for {self.config.rtp_timeout_s:g} s")
+            return
+        if self._last_packet_s is None or idle_s * 1000 < self.config.idle_fill_ms:
+            return
+        # A stall: play what the jitter buffer holds, then keep the server's clock going with silence
+        # so that it can end the utterance while the caller sends nothing.
+        for audio in self.jitter.flush():
+            self.asr.feed(audio)
+        samples = int((now - self._accounted_s) * SAMPLE_RATE_HZ) // FRAME_SAMPLES * FRAME_SAMPLES
+        if samples > 0:
+            self.asr.feed(self.jitter.fill_silence(samples))
+            self._accounted_s += samples / SAMPLE_RATE_HZ
+
+    def summary(self) -> str:
+        stats = self.jitter.stats
+        return (
+            f"{self.asr.sent_ms / 1000:.1f} s of audio, {self.asr.finals} finals, {stats.received} packets"
+            f" ({stats.lost} lost, {stats.late} late, {stats.duplicate} duplicate, {stats.reordered} reordered,"
+            f" {stats.ssrc_changes} SSRC changes)"
+        )

@@ -1,0 +1,65 @@
+"""The gateway's one configuration object; the CLI (``clients/telephony_gateway.py``) is the only place
+that reads flags into it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Where the gateway listens, where it sends audio, and how calls are timed.
+
+    ``sip_port`` 0 binds an ephemeral port (tests); ``audiosocket_port`` None turns the Asterisk
+    AudioSocket listener off, 0 binds an ephemeral one.
+    """
+
+    server: str = "localhost:50051"
+    bind: str = "0.0.0.0"
+    sip_port: int = 5060
+    rtp_port_min: int = 10000
+    rtp_port_max: int = 20000
+    max_calls: int = 32
+    interim_results: bool = False
+    # No RTP for this long ends the call: the gateway sends BYE and flushes the last final.
+    rtp_timeout_s: float = 20.0
+    # Reordering window of the jitter buffer: a missing packet is declared lost when this much audio
+    # arrived after it.
+    jitter_ms: int = 60
+    # After this long without a packet (but before rtp_timeout_s), silence is fed in real time so that
+    # the server can end the utterance (callers that stop sending during silence, DTX).
+    idle_fill_ms: int = 300
+    # Time between 180 Ringing and 200 OK; a CANCEL in this window rejects the call with 487.
+    ring_ms: int = 0
+    # How long the server may take to become reachable before an INVITE is refused with 503.
+    connect_timeout_s: float = 2.0
+    # After the caller hangs up: how long to wait for the server's last final.
+    flush_timeout_s: float = 10.0
+    audiosocket_port: int | None = None
+    user_agent: str = "cosystream-telephony"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sip_port <= 65535:
+            raise ValueError(f"sip_port {self.sip_port} is not a UDP port")
+        if not 1024 <= self.rtp_port_min <= self.rtp_port_max <= 65535:
+            raise ValueError(
+                f"rtp ports {self.rtp_port_min}-{self.rtp_port_max} must be 1024 <= LO <= HI <= 65535"
+            )
+        if self.rtp_port_min % 2 and self.rtp_port_min == self.rtp_port_max:
+            raise ValueError("the RTP port range holds no even port")
+        if self.max_calls < 1:
+            raise ValueError("max_calls must be at least 1")
+        if self.rtp_timeout_s <= 0 or self.flush_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.jitter_ms < 0 or self.ring_ms < 0 or self.idle_fill_ms < 20:
+            raise ValueError("jitter_ms and ring_ms must be >= 0, idle_fill_ms >= 20")
+        if self.audiosocket_port is not None and not 0 <= self.audiosocket_port <= 65535:
+            raise ValueError(f"audiosocket_port {self.audiosocket_port} is not a TCP port")
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"10000-20000"`` -> (10000, 20000)."""
+    lo, sep, hi = text.partition("-")
+    if not sep:
+        raise ValueError(f"expected LO-HI, got {text!r}")
+    return int(lo), int(hi)

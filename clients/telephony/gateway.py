@@ -1,0 +1,71 @@
+"""The gateway: one gRPC channel to cosystream, the SIP user-agent server, the optional AudioSocket
+listener, and the result sink they share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import grpc
+
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+from .audiosocket import AudioSocketServer
+from .call import CallSlots
+from .config import GatewayConfig
+from .output import ResultSink
+from .uas import SipUas
+
+logger = logging.getLogger(__name__)
+
+# Reconnect quickly after a server outage: the default backoff reaches 120 s between attempts.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class Gateway:
+    """Telephone calls in, cosystream results out. Create and use inside the running event loop
+    (grpc.aio objects belong to the loop that made them)."""
+
+    def __init__(self, config: GatewayConfig, sink: ResultSink | None = None):
+        self.config = config
+        self.sink = sink or ResultSink(sys.stdout)
+        self.slots = CallSlots(config.max_calls)
+        self._channel: grpc.aio.Channel | None = None
+        self.sip: SipUas | None = None
+        self.audiosocket: AudioSocketServer | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> Gateway:
+        self._channel = grpc.aio.insecure_channel(self.config.server, options=CHANNEL_OPTIONS)
+        self._channel.get_state(try_to_connect=True)
+        if self.sink.webhook is not None:
+            self.sink.webhook.start()
+        self.sip = SipUas(self.config, self._channel, self.sink, self.slots)
+        await self.sip.start()
+        if self.config.audiosocket_port is not None:
+            self.audiosocket = AudioSocketServer(
+                self.config, pb_grpc.CosyStreamStub(self._channel), self.sink, self.slots
+            )
+            await self.audiosocket.start()
+        logger.info("gateway ready: cosystream at %s, at most %d calls", self.config.server, self.config.max_calls)
+        return self
+
+    async def stop(self) -> None:
+        """Hang up every call (flushing its last final), then close everything."""
+        if self.sip is not None:
+            await self.sip.stop()
+        if self.audiosocket is not None:
+            await self.audiosocket.stop()
+        if self.sink.webhook is not None:
+            await self.sink.webhook.stop()
+        if self._channel is not None:
+            await self._channel.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()

@@ -1,0 +1,467 @@
+"""A minimal SIP user-agent server on UDP: answers INVITEs with a receive-only G.711 stream and runs
+each call as an :class:`~.call.RtpCall`.
+
+Requests: INVITE (100, 180, then 200 with an SDP answer; 488 without PCMU/PCMA; 486 at
+``max_calls``; 503 while the cosystream server is unreachable; re-INVITEs get the same answer), ACK,
+BYE and CANCEL (200 and teardown; a CANCEL that arrives after the 200 is answered 200 and changes
+nothing, as RFC 3261 9.2 says), OPTIONS (200); anything else 501. A retransmitted request gets the
+response sent before; final INVITE responses are retransmitted until the ACK, and the gateway's own
+BYE until its response (RFC 3261 17, on UDP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+from . import sip
+from .call import CallSlots, MalformedLog, RtpCall
+from .config import GatewayConfig
+from .output import CallInfo, ResultSink
+from .rtp import PortPool
+from .sdp import SdpError, answer_sdp, negotiate
+
+logger = logging.getLogger(__name__)
+
+T1_S = 0.5
+T2_S = 4.0
+TRANSACTION_S = 64 * T1_S  # Timer H / F / J: how long a transaction is remembered
+ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS"
+
+
+@dataclass(slots=True, eq=False)
+class Transaction:
+    """A server transaction: the request and the last response, re-sent when the request is."""
+
+    request: sip.SipMessage
+    source: tuple[str, int]
+    local_tag: str = ""
+    response: bytes = b""
+    final: bool = False
+    acked: bool = False
+    retransmit: asyncio.TimerHandle | None = None
+    answer: asyncio.Task | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Dialog:
+    """One answered call as SIP sees it; ``media`` carries its audio."""
+
+    info: CallInfo
+    local_tag: str
+    remote_tag: str
+    local: str  # the To header the gateway answered with (From of its own requests)
+    remote: str  # the caller's From header (To of the gateway's requests)
+    remote_target: str
+    source: tuple[str, int]
+    routes: list[str]
+    media: RtpCall
+    sdp: bytes
+    invite: Transaction
+    local_cseq: int = field(default_factory=lambda: secrets.randbelow(1 << 16) + 1)
+    bye_received: bool = False
+    task: asyncio.Task | None = None
+
+
+class _SipProtocol(asyncio.DatagramProtocol):
+    def __init__(self, uas: SipUas):
+        self._uas = uas
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self._uas.datagram_received(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        logger.debug("SIP socket error: %s", exc)
+
+
+class SipUas:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        channel: grpc.aio.Channel,
+        sink: ResultSink,
+        slots: CallSlots,
+    ):
+        self.config = config
+        self._channel = channel
+        self._stub = pb_grpc.CosyStreamStub(channel)
+        self._sink = sink
+        self._slots = slots
+        self._ports = PortPool(config.rtp_port_min, config.rtp_port_max)
+        self._transport: asyncio.DatagramTransport | None = None
+        self._transactions: dict[tuple[str, str], Transaction] = {}
+        self._dialogs: dict[str, Dialog] = {}
+        self._client: dict[str, asyncio.TimerHandle] = {}  # branch of the gateway's BYEs -> retransmit timer
+        self._malformed_sip = MalformedLog("SIP", logger)
+        self._malformed_rtp = MalformedLog("RTP", logging.getLogger("clients.telephony.call"))
+        self._tasks: set[asyncio.Task] = set()
+        self.stopping = False
+        self.address: tuple[str, int] = (config.bind, config.sip_port)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_datagram_endpoint(
+            lambda: _SipProtocol(self), local_addr=(self.config.bind, self.config.sip_port)
+        )
+        self.address = self._transport.get_extra_info("sockname")[:2]
+        logger.info(
+            "SIP on udp %s:%d, RTP ports %d-%d", *self.address, self.config.rtp_port_min, self.config.rtp_port_max
+        )
+
+    async def stop(self) -> None:
+        """Refuse new calls, hang up the live ones (BYE, last finals flushed), then close the socket."""
+        self.stopping = True
+        for dialog in list(self._dialogs.values()):
+            dialog.media.hangup("the gateway is stopping")
+        for tx in list(self._transactions.values()):
+            if tx.answer is not None and not tx.answer.done() and not tx.final:
+                tx.answer.cancel()
+                self._respond(tx, 503, "Service Unavailable")
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.flush_timeout_s + 1)
+        for handle in self._client.values():
+            handle.cancel()
+        for tx in self._transactions.values():
+            if tx.retransmit is not None:
+                tx.retransmit.cancel()
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- datagrams -----------------------------------------------------------------------------------
+
+    def datagram_received(self, data: bytes, source: tuple[str, int]) -> None:
+        if not data.strip():
+            return  # CRLF keep-alive (RFC 5626)
+        try:
+            message = sip.parse(data)
+        except sip.SipError as err:
+            self._malformed_sip(source, err)
+            return
+        try:
+            if message.is_request:
+                self._on_request(message, source)
+            else:
+                self._on_response(message)
+        except Exception:  # one bad message must not take the calls of others down
+            logger.exception("error handling %s from %s:%d", message.method or message.status, *source[:2])
+
+    def _send(self, data: bytes, destination: tuple[str, int]) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.sendto(data, destination)
+
+    def _respond(self, tx: Transaction, status: int, reason: str, **kwargs) -> None:
+        tx.response = sip.response(
+            tx.request,
+            status,
+            reason,
+            source=tx.source,
+            to_tag=tx.local_tag,
+            user_agent=self.config.user_agent,
+            **kwargs,
+        )
+        self._send(tx.response, tx.source)
+        if tx.request.method == "INVITE" and status >= 200:
+            tx.final = True
+            tx.retransmit = asyncio.get_running_loop().call_later(
+                T1_S, self._retransmit, tx, T1_S, time.monotonic()
+            )
+
+    def _retransmit(self, tx: Transaction, interval_s: float, since_s: float) -> None:
+        """Timer G: re-send a final INVITE response until its ACK, for 64*T1."""
+        if tx.acked:
+            return
+        if time.monotonic() - since_s >= TRANSACTION_S:
+            logger.warning("call %s: no ACK for %s", tx.request.call_id, tx.response.split(b"\r\n", 1)[0].decode())
+            dialog = self._dialogs.get(tx.request.call_id)
+            if dialog is not None and dialog.invite is tx:
+                dialog.media.hangup("no ACK")
+            return
+        self._send(tx.response, tx.source)
+        interval_s = min(2 * interval_s, T2_S)
+        tx.retransmit = asyncio.get_running_loop().call_later(
+            interval_s, self._retransmit, tx, interval_s, since_s
+        )
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _on_request(self, request: sip.SipMessage, source: tuple[str, int]) -> None:
+        if request.method == "ACK":
+            self._on_ack(request)
+            return
+        key = (request.branch, request.method)
+        if (tx := self._transactions.get(key)) is not None:
+            if tx.response:
+                self._send(tx.response, source)  # a retransmission: the same answer again
+            return
+        tx = Transaction(request, source, local_tag=sip.new_tag())
+        self._transactions[key] = tx
+        asyncio.get_running_loop().call_later(TRANSACTION_S, self._forget, key, tx)
+        if request.get("max-forwards", "70").strip() == "0" and request.method != "CANCEL":
+            self._respond(tx, 483, "Too Many Hops")
+            return
+        required = request.get("require")
+        if required and request.method != "CANCEL":
+            self._respond(tx, 420, "Bad Extension", headers=[("Unsupported", required)])
+            return
+        handler = {
+            "INVITE": self._on_invite,
+            "BYE": self._on_bye,
+            "CANCEL": self._on_cancel,
+            "OPTIONS": self._on_options,
+        }.get(request.method)
+        if handler is None:
+            self._respond(tx, 501, "Not Implemented", headers=[("Allow", ALLOW)])
+        else:
+            handler(tx)
+
+    def _forget(self, key: tuple[str, str], tx: Transaction) -> None:
+        if self._transactions.get(key) is tx:
+            del self._transactions[key]
+
+    def _on_options(self, tx: Transaction) -> None:
+        self._respond(
+            tx,
+            200,
+            "OK",
+            headers=[("Allow", ALLOW), ("Accept", "application/sdp"), ("Supported", "")],
+        )
+
+    def _on_ack(self, ack: sip.SipMessage) -> None:
+        tx = self._transactions.get((ack.branch, "INVITE"))  # the ACK of a non-2xx final
+        if tx is None:
+            dialog = self._dialogs.get(ack.call_id)  # the ACK of a 2xx: a new transaction
+            if dialog is None or dialog.local_tag != ack.to_tag:
+                return
+            tx = dialog.invite
+        tx.acked = True
+        if tx.retransmit is not None:
+            tx.retransmit.cancel()
+
+    def _on_bye(self, tx: Transaction) -> None:
+        dialog = self._dialogs.get(tx.request.call_id)
+        if dialog is None or tx.request.to_tag != dialog.local_tag:
+            self._respond(tx, 481, "Call/Transaction Does Not Exist")
+            return
+        self._respond(tx, 200, "OK")
+        dialog.bye_received = True
+        dialog.invite.acked = True  # a BYE implies the caller has the 200
+        if dialog.invite.retransmit is not None:
+            dialog.invite.retransmit.cancel()
+        dialog.media.hangup("the caller hung up")
+
+    def _on_cancel(self, tx: Transaction) -> None:
+        invite = self._transactions.get((tx.request.branch, "INVITE"))
+        if invite is None:
+            self._respond(tx, 481, "Call/Transaction Does Not Exist")
+            return
+        self._respond(tx, 200, "OK")
+        if not invite.final and invite.answer is not None and not invite.answer.done():
+            invite.answer.cancel()
+            self._respond(invite, 487, "Request Terminated")
+            logger.info("call %s: cancelled before the answer", invite.request.call_id)
+
+    def _on_invite(self, tx: Transaction) -> None:
+        request = tx.request
+        if request.to_tag:
+            self._on_reinvite(tx)
+            return
+        if request.call_id in self._dialogs:
+            self._respond(tx, 482, "Loop Detected")
+            return
+        self._respond(tx, 100, "Trying")
+        if self.stopping:
+            self._respond(tx, 503, "Service Unavailable")
+            return
+        content_type = request.get("content-type").split(";")[0].strip().lower()
+        if not request.body or content_type != "application/sdp":
+            self._respond(
+                tx, 488, "Not Acceptable Here", headers=[("Warning", '399 - "an SDP offer is required"')]
+            )
+            return
+        try:
+            negotiated = negotiate(request.body)
+        except SdpError as err:
+            logger.warning("call %s: bad SDP offer: %s", request.call_id, err)
+            negotiated = None
+        if negotiated is None:
+            self._respond(tx, 488, "Not Acceptable Here", headers=[("Warning", '305 - "PCMU or PCMA required"')])
+            return
+        if not self._slots.try_acquire():
+            logger.warning("call %s: refused, %d calls already", request.call_id, self._slots.active)
+            self._respond(tx, 486, "Busy Here")
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._answer(tx, negotiated), name=f"answer {request.call_id}"
+        )
+        tx.answer = task
+        self._track(task)
+
+    def _on_reinvite(self, tx: Transaction) -> None:
+        dialog = self._dialogs.get(tx.request.call_id)
+        if dialog is None or dialog.local_tag != tx.request.to_tag:
+            self._respond(tx, 481, "Call/Transaction Does Not Exist")
+            return
+        tx.local_tag = dialog.local_tag
+        dialog.invite = tx  # its ACK now stops this 200's retransmissions
+        self._respond(tx, 200, "OK", headers=self._answer_headers(tx), body=dialog.sdp)
+
+    def _answer_headers(self, tx: Transaction) -> list[tuple[str, str]]:
+        user = tx.request.uri.split(":", 1)[-1].split("@")[0] if "@" in tx.request.uri else ""
+        contact = f"sip:{user}@" if user else "sip:"
+        return [
+            ("Contact", f"<{contact}{self._local_ip(tx.source[0])}:{self.address[1]}>"),
+            ("Allow", ALLOW),
+            ("Content-Type", "application/sdp"),
+        ]
+
+    async def _answer(self, tx: Transaction, negotiated) -> None:
+        request = tx.request
+        info = CallInfo(request.call_id, sip.uri_of(request.get("from")), sip.uri_of(request.get("to")))
+        media = RtpCall(
+            info,
+            negotiated.codec,
+            negotiated.payload_type,
+            self._stub,
+            self.config,
+            self._sink,
+            self._malformed_rtp,
+        )
+        answered = False
+        try:
+            self._respond(tx, 180, "Ringing")
+            if self.config.ring_ms:
+                await asyncio.sleep(self.config.ring_ms / 1000)
+            if not await self._server_ready():
+                logger.error(
+                    "call %s: refused, the cosystream server %s is unreachable", info.call_id, self.config.server
+                )
+                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", "5")])
+                return
+            host = self._local_ip(tx.source[0])
+            port = await media.open(self.config.bind, self._ports)
+            if port is None:
+                logger.error("call %s: refused, no free RTP port in %d-%d", info.call_id, *self._port_range())
+                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", "5")])
+                return
+            sdp = answer_sdp(negotiated, host, port, secrets.randbelow(1 << 31), 1)
+            dialog = Dialog(
+                info=info,
+                local_tag=tx.local_tag,
+                remote_tag=request.from_tag,
+                local=f"{request.get('to')};tag={tx.local_tag}",
+                remote=request.get("from"),
+                remote_target=sip.uri_of(request.get("contact")) or sip.uri_of(request.get("from")),
+                source=tx.source,
+                routes=request.values("record-route"),
+                media=media,
+                sdp=sdp,
+                invite=tx,
+            )
+            self._dialogs[info.call_id] = dialog
+            self._respond(tx, 200, "OK", headers=self._answer_headers(tx), body=sdp)
+            answered = True
+            logger.info(
+                "call %s from %s to %s: %s on RTP port %d",
+                info.call_id,
+                info.from_uri,
+                info.to_uri,
+                negotiated.codec,
+                port,
+            )
+            dialog.task = asyncio.get_running_loop().create_task(self._run(dialog), name=f"call {info.call_id}")
+            self._track(dialog.task)
+        finally:
+            if not answered:
+                media.close()
+                self._slots.release()
+
+    async def _server_ready(self) -> bool:
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), self.config.connect_timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _run(self, dialog: Dialog) -> None:
+        call_id = dialog.info.call_id
+        try:
+            await dialog.media.run()
+        except grpc.aio.AioRpcError as err:
+            dialog.media.end_reason = f"the cosystream session failed: {err.code().name}: {err.details()}"
+            logger.error("call %s: %s", call_id, dialog.media.end_reason)
+        except Exception as err:  # a bug in one call must not end the others
+            dialog.media.end_reason = f"internal error: {err!r}"
+            logger.exception("call %s failed", call_id)
+        finally:
+            dialog.media.close()
+            if not dialog.bye_received:
+                self._send_bye(dialog)
+            if self._dialogs.get(call_id) is dialog:
+                del self._dialogs[call_id]
+            self._slots.release()
+            logger.info("call %s ended (%s): %s", call_id, dialog.media.end_reason, dialog.media.summary())
+
+    def _send_bye(self, dialog: Dialog) -> None:
+        dialog.local_cseq += 1
+        branch = sip.new_branch()
+        host = self._local_ip(dialog.source[0])
+        data = sip.request(
+            "BYE",
+            dialog.remote_target,
+            via=f"{host}:{self.address[1]}",
+            from_=dialog.local,
+            to=dialog.remote,
+            call_id=dialog.info.call_id,
+            cseq=dialog.local_cseq,
+            branch=branch,
+            routes=dialog.routes,
+            user_agent=self.config.user_agent,
+        )
+        self._send(data, dialog.source)
+        self._client[branch] = asyncio.get_running_loop().call_later(
+            T1_S, self._retransmit_request, branch, data, dialog.source, T1_S, time.monotonic()
+        )
+
+    def _retransmit_request(
+        self, branch: str, data: bytes, destination: tuple[str, int], interval_s: float, since_s: float
+    ) -> None:
+        """Timer E: re-send the gateway's BYE until a final response, for 64*T1."""
+        if time.monotonic() - since_s >= TRANSACTION_S:
+            self._client.pop(branch, None)
+            return
+        self._send(data, destination)
+        interval_s = min(2 * interval_s, T2_S)
+        self._client[branch] = asyncio.get_running_loop().call_later(
+            interval_s, self._retransmit_request, branch, data, destination, interval_s, since_s
+        )
+
+    def _on_response(self, response: sip.SipMessage) -> None:
+        if response.status >= 200 and (handle := self._client.pop(response.branch, None)) is not None:
+            handle.cancel()
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _port_range(self) -> tuple[int, int]:
+        return self.config.rtp_port_min, self.config.rtp_port_max
+
+    def _local_ip(self, peer_ip: str) -> str:
+        """The address to put in SDP and Contact: the bound one, or the one that routes to the peer."""
+        if self.config.bind not in ("", "0.0.0.0"):
+            return self.config.bind
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer_ip, 9))
+            return probe.getsockname()[0]
+        return "127.0.0.1"

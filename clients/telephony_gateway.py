@@ -1,0 +1,99 @@
+"""Telephony gateway: answers SIP calls (UDP, G.711 over RTP) and transcribes each one with cosystream.
+
+Every call is one REALTIME cosystream session; each result is one JSON line on stdout (or ``--jsonl``)
+and, with ``--webhook``, POSTed as JSON:
+
+    {"call_id": "...", "from": "sip:alice@example.com", "to": "sip:asr@gw", "utterance_index": 0,
+     "start_ms": 480, "end_ms": 2310, "text": "...", "is_final": true}
+
+    python clients/telephony_gateway.py --server localhost:50051 --sip-port 5060 --rtp-ports 10000-10999
+
+Logs go to stderr. SIGINT/SIGTERM hang up every call (each flushes its last final) and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `clients` importable from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
+from clients.telephony.config import parse_port_range
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--server", default="localhost:50051", help="cosystream gRPC address (default %(default)s)"
+    )
+    parser.add_argument(
+        "--bind", default="0.0.0.0", help="address for SIP, RTP and AudioSocket (default %(default)s)"
+    )
+    parser.add_argument("--sip-port", type=int, default=5060, help="SIP UDP port (default %(default)s; 0: any)")
+    parser.add_argument("--rtp-ports", default="10000-20000", help="RTP port range LO-HI (default %(default)s)")
+    parser.add_argument("--max-calls", type=int, default=32, help="concurrent calls (default %(default)s)")
+    parser.add_argument("--jsonl", type=Path, help="append result lines to this file instead of stdout")
+    parser.add_argument("--webhook", help="also POST each result line as JSON to this URL")
+    parser.add_argument("--interim-results", action="store_true", help="also output interim (non-final) results")
+    parser.add_argument("--rtp-timeout-s", type=float, default=20.0, help="hang up after this long without RTP")
+    parser.add_argument("--jitter-ms", type=int, default=60, help="reordering window of the jitter buffer")
+    parser.add_argument("--ring-ms", type=int, default=0, help="ring this long before answering")
+    parser.add_argument(
+        "--audiosocket-port", type=int, help="also accept Asterisk AudioSocket connections on this TCP port"
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    rtp_min, rtp_max = parse_port_range(args.rtp_ports)
+    return GatewayConfig(
+        server=args.server,
+        bind=args.bind,
+        sip_port=args.sip_port,
+        rtp_port_min=rtp_min,
+        rtp_port_max=rtp_max,
+        max_calls=args.max_calls,
+        interim_results=args.interim_results,
+        rtp_timeout_s=args.rtp_timeout_s,
+        jitter_ms=args.jitter_ms,
+        ring_ms=args.ring_ms,
+        audiosocket_port=args.audiosocket_port,
+    )
+
+
+async def serve(config: GatewayConfig, jsonl: Path | None, webhook_url: str | None) -> None:
+    webhook = WebhookPoster(webhook_url) if webhook_url else None
+    with contextlib.ExitStack() as stack:
+        stream = stack.enter_context(jsonl.open("a", encoding="utf-8")) if jsonl else sys.stdout
+        gateway = Gateway(config, ResultSink(stream, webhook))
+        await gateway.start()
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task] = []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, lambda: stopping or stopping.append(loop.create_task(gateway.stop())))
+        await gateway.wait_stopped()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        sys.exit(f"telephony_gateway: {err}")
+    asyncio.run(serve(config, args.jsonl, args.webhook))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,848 @@
+"""Telephony gateway (``clients/telephony_gateway.py``).
+
+First the pure pieces on hand-built input (SIP, SDP, RTP, the jitter buffer); then end to end on
+loopback: a cosystream server in this process, the gateway as a subprocess through its command line,
+and real peers (baresip, GStreamer) or crafted SIP and RTP from Python. The model may be untrained,
+so these tests pin structure (a final per utterance, the call's ids, times near the speech), never
+the words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients.telephony import sip
+from clients.telephony.rtp import JitterBuffer, PortPool, RtpPacket, parse_rtp
+from clients.telephony.sdp import answer_sdp, negotiate
+from cosystream.engine.core import EngineConfig
+from cosystream.server.local import LocalServer
+from tests.speech import encode, needs_espeak, silence, speech
+
+REPO = Path(__file__).resolve().parent.parent
+GATEWAY = REPO / "clients" / "telephony_gateway.py"
+RATE_HZ = 8000
+SENTENCE = "please call me back tomorrow morning"
+OTHER = "the meeting moved to four o'clock"
+
+
+# -- SIP and SDP -----------------------------------------------------------------------------------
+
+OFFER = (
+    b"v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
+    b"m=audio 4000 RTP/AVP 96 8 0 101\r\na=rtpmap:96 opus/48000/2\r\na=rtpmap:8 PCMA/8000\r\n"
+    b"a=rtpmap:0 PCMU/8000\r\na=rtpmap:101 telephone-event/8000\r\na=fmtp:101 0-15\r\na=sendrecv\r\n"
+    b"m=video 4002 RTP/AVP 97\r\na=rtpmap:97 VP8/90000\r\n"
+)
+
+
+def invite_bytes(body: bytes = OFFER, *, compact: bool = False) -> bytes:
+    names = (
+        ("v", "f", "t", "i", "l", "c")
+        if compact
+        else ("Via", "From", "To", "Call-ID", "Content-Length", "Content-Type")
+    )
+    via, from_, to, call_id, length, ctype = names
+    return (
+        "INVITE sip:asr@127.0.0.1 SIP/2.0\r\n"
+        f"{via}: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKabc;rport\r\n"
+        "Via: SIP/2.0/UDP proxy.example;branch=z9hG4bKdef, SIP/2.0/UDP 10.0.0.9;branch=z9hG4bKghi\r\n"
+        f'{from_}: "Alice, A." <sip:alice@example.com>;tag=a1\r\n'
+        f"{to}: <sip:asr@127.0.0.1>\r\n"
+        f"{call_id}: c1@example\r\nCSeq: 7 INVITE\r\nSubject: a folded\r\n header\r\n"
+        f"{ctype}: application/sdp\r\n{length}: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_parse_invite(compact):
+    message = sip.parse(invite_bytes(compact=compact) + b"trailing bytes past Content-Length")
+    assert (message.method, message.uri, message.call_id, message.cseq) == (
+        "INVITE",
+        "sip:asr@127.0.0.1",
+        "c1@example",
+        (7, "INVITE"),
+    )
+    assert message.branch == "z9hG4bKabc" and message.from_tag == "a1" and message.to_tag == ""
+    assert len(message.values("via")) == 3 and message.get("subject") == "a folded header"
+    assert message.body == OFFER
+    assert sip.uri_of(message.get("from")) == "sip:alice@example.com"
+
+
+def test_response_copies_the_transaction_and_tags_the_dialog():
+    request = sip.parse(invite_bytes())
+    response = sip.parse(sip.response(request, 200, "OK", source=("127.0.0.1", 5999), to_tag="t1", body=b"x"))
+    assert response.status == 200 and response.body == b"x"
+    vias = response.values("via")
+    assert len(vias) == 3 and "rport=5999" in vias[0] and "received=127.0.0.1" in vias[0]
+    assert response.to_tag == "t1" and response.from_tag == "a1" and response.cseq == (7, "INVITE")
+    trying = sip.parse(sip.response(request, 100, "Trying", source=("127.0.0.1", 5999), to_tag="t1"))
+    assert trying.to_tag == ""  # RFC 3261 8.2.6.2: no tag on 100
+
+
+@pytest.mark.parametrize(
+    "datagram",
+    [
+        b"",
+        b"\x00\xff" * 40,
+        b"hello world\r\n\r\n",
+        b"INVITE sip:a@b SIP/2.0\r\nVia: SIP/2.0/UDP x;branch=z9hG4bK1\r\n\r\n",  # no From/To/Call-ID/CSeq
+        invite_bytes().replace(b"CSeq: 7 INVITE", b"CSeq: 7 BYE"),
+        invite_bytes().replace(b"CSeq: 7 INVITE", b"CSeq: seven INVITE"),
+        invite_bytes()[:-40],  # body shorter than Content-Length
+        b"SIP/2.0 2000 OK\r\n\r\n",
+        invite_bytes().replace(b"Subject", b"Sub ject"),
+        "INVITE sip:ü@b SIP/2.0\r\n\r\n".encode("latin-1"),
+    ],
+)
+def test_malformed_sip_raises(datagram):
+    with pytest.raises(sip.SipError):
+        sip.parse(datagram)
+
+
+def test_negotiate_takes_the_offerers_order_and_telephone_event():
+    negotiated = negotiate(OFFER)
+    assert (negotiated.codec, negotiated.payload_type, negotiated.dtmf_payload_type) == ("PCMA", 8, 101)
+    assert negotiated.remote == ("127.0.0.1", 4000) and negotiated.direction == "recvonly"
+    answer = answer_sdp(negotiated, "127.0.0.1", 30000, 1, 1).decode()
+    assert "m=audio 30000 RTP/AVP 8 101\r\n" in answer and "a=rtpmap:101 telephone-event/8000" in answer
+    assert "a=fmtp:101 0-15" in answer and "a=recvonly" in answer
+    assert "m=video 0 RTP/AVP 97" in answer  # the same number of m= lines, the others rejected
+
+
+def test_negotiate_static_payload_types_and_refusals():
+    plain = b"v=0\r\nc=IN IP4 127.0.0.1\r\nm=audio 4000 RTP/AVP 0\r\n"
+    assert negotiate(plain).codec == "PCMU"
+    assert negotiate(plain.replace(b"RTP/AVP 0", b"RTP/AVP 9 18")) is None  # G.722, G.729
+    assert negotiate(plain.replace(b"RTP/AVP", b"RTP/SAVP")) is None  # SRTP
+    assert negotiate(plain.replace(b"4000", b"0")) is None  # a rejected stream
+
+
+# -- RTP and the jitter buffer ---------------------------------------------------------------------
+
+
+def rtp(seq: int, ts: int, payload: bytes, pt: int = 0, ssrc: int = 0x1234, marker: bool = False) -> bytes:
+    return struct.pack("!BBHII", 0x80, (0x80 if marker else 0) | pt, seq & 0xFFFF, ts & 0xFFFFFFFF, ssrc) + payload
+
+
+def packet(seq: int, value: int, ssrc: int = 1, pt: int = 0, samples: int = 160, ts_base: int = 1000) -> RtpPacket:
+    return RtpPacket(
+        pt, False, seq & 0xFFFF, (ts_base + seq * samples) & 0xFFFFFFFF, ssrc, bytes([value]) * samples
+    )
+
+
+def play(buffer: JitterBuffer, packets) -> bytes:
+    out = b"".join(b"".join(buffer.push(p)) for p in packets)
+    return out + b"".join(buffer.flush())
+
+
+def test_parse_rtp_headers():
+    assert parse_rtp(rtp(5, 160, b"ab", pt=8, marker=True)) == RtpPacket(8, True, 5, 160, 0x1234, b"ab")
+    csrc_ext_pad = bytearray(rtp(1, 2, b""))
+    csrc_ext_pad[0] |= 0x30 | 1  # padding, extension, one CSRC
+    csrc_ext_pad += b"CSRC" + b"\xbe\xde\x00\x01" + b"EXT!" + b"payload" + b"\x00\x00\x03"
+    assert parse_rtp(bytes(csrc_ext_pad)).payload == b"payload"
+    assert parse_rtp(bytes([0x80, 200]) + bytes(26)) is None  # RTCP sender report
+    for bad in (b"", b"\x80\x00\x00", b"\x40" + bytes(20), bytes([0x90, 0, 0, 0]) + bytes(8)):
+        with pytest.raises(ValueError):
+            parse_rtp(bad)
+
+
+def test_jitter_buffer_reorders_and_fills_losses_with_silence():
+    buffer = JitterBuffer(payload_type=0, silence_byte=0xFF, depth_packets=3)
+    order = [0, 2, 1, 3, 5, 4, 6, 9, 8, 10, 11, 12, 13]  # 7 never arrives
+    out = play(buffer, [packet(seq, seq) for seq in order])
+    expected = b"".join(bytes([0xFF if seq == 7 else seq]) * 160 for seq in range(14))
+    assert out == expected
+    assert buffer.stats.lost == 1 and buffer.stats.reordered == 3
+
+
+def test_jitter_buffer_drops_duplicates_and_late_packets_and_wraps():
+    buffer = JitterBuffer(payload_type=0, silence_byte=0xFF, depth_packets=2)
+    seqs = [65533, 65535, 65535, 0, 65534, 1, 65533, 2]
+    out = play(buffer, [packet(seq, seq % 251) for seq in seqs])
+    assert out == b"".join(bytes([seq % 251]) * 160 for seq in (65533, 65534, 65535, 0, 1, 2))
+    assert buffer.stats.duplicate == 1 and buffer.stats.late == 1 and buffer.stats.lost == 0
+
+
+def test_jitter_buffer_dtmf_and_silence_suppression_keep_the_timeline():
+    buffer = JitterBuffer(payload_type=0, silence_byte=0xFF, depth_packets=3)
+    packets = [packet(0, 1), packet(1, 1)]
+    packets += [RtpPacket(101, False, seq, 1000 + 2 * 160, 1, b"\x01\x0a\x00\xa0") for seq in (2, 3, 4)]  # DTMF
+    packets += [packet(5, 2)]  # audio resumes where the event ended: 3 packets of time later
+    packets += [RtpPacket(0, True, 6, 1000 + 20 * 160, 1, bytes([3]) * 160)]  # after 14 packets of silence
+    out = play(buffer, packets)
+    assert (
+        out
+        == bytes([1]) * 320 + bytes([0xFF]) * 480 + bytes([2]) * 160 + bytes([0xFF]) * 14 * 160 + bytes([3]) * 160
+    )
+    assert buffer.stats.lost == 0
+
+
+def test_jitter_buffer_follows_a_new_ssrc_and_a_restart():
+    buffer = JitterBuffer(payload_type=0, silence_byte=0xFF, depth_packets=3)
+    first = [packet(seq, 1, ssrc=1) for seq in range(100, 104)]
+    second = [packet(seq, 2, ssrc=2, ts_base=999_999) for seq in range(7, 10)]
+    stale = packet(104, 9, ssrc=1)
+    restart = [packet(seq, 3, ssrc=2, ts_base=5) for seq in range(40000, 40003)]
+    out = play(buffer, [*first, second[0], stale, *second[1:], *restart])
+    # The restart's first packet is dropped as a possible stray; the next one in sequence confirms it.
+    assert out == bytes([1]) * 640 + bytes([2]) * 480 + bytes([3]) * 320
+    assert buffer.stats.ssrc_changes == 1 and buffer.stats.restarts == 1 and buffer.stats.late == 2
+
+
+def test_jitter_buffer_idle_fill_is_not_filled_twice():
+    buffer = JitterBuffer(payload_type=8, silence_byte=0xD5, depth_packets=0)
+    out = b"".join(buffer.push(packet(0, 1, pt=8)))
+    out += buffer.fill_silence(800)  # 100 ms of stall filled in real time
+    out += b"".join(buffer.push(packet(10, 2, pt=8)))  # the sender's timestamps jumped 9 packets
+    assert out == bytes([1]) * 160 + bytes([0xD5]) * 1440 + bytes([2]) * 160
+
+
+def test_port_pool_hands_out_even_ports_round_robin():
+    pool = PortPool(10001, 10006)
+    assert [pool.acquire(), pool.acquire(), pool.acquire(), pool.acquire()] == [10002, 10004, 10006, None]
+    pool.release(10004)
+    pool.release(10004)
+    assert (pool.acquire(), pool.acquire()) == (10004, None)
+
+
+# -- end to end: helpers ---------------------------------------------------------------------------
+
+
+def free_port(kind: int = socket.SOCK_DGRAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rtp_port_range(width: int = 200) -> str:
+    """A random ``LO-HI`` so that gateways of test runs side by side rarely meet (they skip busy ports)."""
+    low = random.Random(os.getpid() + time.monotonic_ns()).randrange(40000, 60000 - width, 2)
+    return f"{low}-{low + width}"
+
+
+@pytest.fixture(scope="module")
+def call_audio() -> tuple[np.ndarray, tuple[int, int]]:
+    """0.4 s of silence, a sentence, 0.7 s of silence, at 8 kHz; and where the speech is, in ms."""
+    spoken = speech(SENTENCE, rate_hz=RATE_HZ)
+    audio = np.concatenate([silence(0.4, RATE_HZ), spoken, silence(0.7, RATE_HZ)])
+    return audio, speech_span_ms(audio)
+
+
+def speech_span_ms(audio: np.ndarray) -> tuple[int, int]:
+    loud = np.flatnonzero(np.abs(audio) > 0.02)
+    return int(loud[0] * 1000 / RATE_HZ), int(loud[-1] * 1000 / RATE_HZ)
+
+
+def check_finals(lines: list[dict], span_ms: tuple[int, int], call_id: str | None = None, slack_ms: int = 600):
+    """Finals exist, are numbered 0..n-1 with the call's ids, and lie around the speech."""
+    finals = [line for line in lines if line["is_final"]]
+    assert finals, f"no final in {lines}"
+    assert [f["utterance_index"] for f in finals] == list(range(len(finals)))
+    for final in finals:
+        assert set(final) == {"call_id", "from", "to", "utterance_index", "start_ms", "end_ms", "text", "is_final"}
+        assert isinstance(final["text"], str)
+        if call_id is not None:
+            assert final["call_id"] == call_id
+        assert span_ms[0] - slack_ms <= final["start_ms"] < final["end_ms"] <= span_ms[1] + slack_ms, (
+            final,
+            span_ms,
+        )
+    assert finals[0]["start_ms"] <= span_ms[0] + slack_ms
+    return finals
+
+
+def call_stats(log: str, call_id: str) -> dict[str, int]:
+    """The packet counts of the gateway's "call ... ended" line."""
+    line = log.split(f"call {call_id} ended", 1)[1].split("\n", 1)[0]
+    return {
+        name: int(count) for count, name in re.findall(r"(\d+) (lost|late|duplicate|reordered|SSRC changes)", line)
+    }
+
+
+class Gateway:
+    """The gateway as a subprocess, through its command line."""
+
+    def __init__(self, tmp: Path, server: str, *extra: str):
+        self.sip_port = free_port()
+        self.jsonl = tmp / "results.jsonl"
+        self.log = tmp / "gateway.log"
+        options = f"--server {server} --bind 127.0.0.1 --sip-port {self.sip_port} --rtp-ports {rtp_port_range()}"
+        command = [sys.executable, str(GATEWAY), *options.split(), "--jsonl", str(self.jsonl), *extra]
+        self._log_file = self.log.open("w")
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=self._log_file)
+        deadline = time.monotonic() + 30
+        while "gateway ready" not in self.log.read_text():
+            assert self.process.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.sip_port)
+
+    def lines(self, call_id: str | None = None, **match) -> list[dict]:
+        if not self.jsonl.exists():
+            return []
+        lines = [json.loads(line) for line in self.jsonl.read_text().splitlines()]
+        match = {**match, **({"call_id": call_id} if call_id else {})}
+        return [line for line in lines if all(line[k] == v for k, v in match.items())]
+
+    def wait_log(self, text: str, timeout_s: float = 15.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while text not in (log := self.log.read_text()):
+            assert time.monotonic() < deadline, f"{text!r} not in the gateway's log:\n{log[-3000:]}"
+            time.sleep(0.05)
+        return log
+
+    def wait_ended(self, call_id: str, timeout_s: float = 15.0) -> list[dict]:
+        self.wait_log(f"call {call_id} ended", timeout_s)
+        return self.lines(call_id)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> str:
+        if self.alive():
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log_file.close()
+        return self.log.read_text()
+
+
+class Phone:
+    """A crafted SIP user agent client on a loopback UDP socket."""
+
+    def __init__(self, gateway: tuple[str, int], codecs: str = "0 8 101"):
+        self.gateway = gateway
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.call_id = f"{uuid.uuid4().hex}@127.0.0.1"
+        self.tag = uuid.uuid4().hex[:8]
+        self.to_tag = ""
+        self.cseq = 1
+        self.invite_branch = sip.new_branch()
+        self.codecs = codecs
+        self.rtp: tuple[str, int] | None = None
+
+    def close(self):
+        self.sock.close()
+
+    def request(self, method: str, *, branch: str | None = None, body: bytes = b"") -> bytes:
+        to = "<sip:asr@127.0.0.1>" + (f";tag={self.to_tag}" if self.to_tag and method != "CANCEL" else "")
+        headers = [
+            f"{method} sip:asr@127.0.0.1:{self.gateway[1]} SIP/2.0",
+            f"Via: SIP/2.0/UDP 127.0.0.1:{self.port};branch={branch or sip.new_branch()};rport",
+            "Max-Forwards: 70",
+            f"From: <sip:phone{self.port}@127.0.0.1>;tag={self.tag}",
+            f"To: {to}",
+            f"Call-ID: {self.call_id}",
+            f"CSeq: {self.cseq} {method}",
+            f"Contact: <sip:phone@127.0.0.1:{self.port}>",
+        ]
+        if body:
+            headers.append("Content-Type: application/sdp")
+        headers.append(f"Content-Length: {len(body)}")
+        return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendto(data, self.gateway)
+
+    def receive(self, timeout_s: float = 5.0) -> sip.SipMessage:
+        self.sock.settimeout(timeout_s)
+        data, _ = self.sock.recvfrom(65535)
+        return sip.parse(data)
+
+    def final(self, timeout_s: float = 8.0) -> tuple[list[int], sip.SipMessage]:
+        """Read responses until a final one; return every status seen and the final response."""
+        statuses = []
+        while True:
+            response = self.receive(timeout_s)
+            statuses.append(response.status)
+            if response.status >= 200:
+                return statuses, response
+
+    def offer(self) -> bytes:
+        rtpmap = {"0": "PCMU/8000", "8": "PCMA/8000", "101": "telephone-event/8000", "9": "G722/8000"}
+        lines = ["v=0", "o=- 1 1 IN IP4 127.0.0.1", "s=-", "c=IN IP4 127.0.0.1", "t=0 0"]
+        lines.append(f"m=audio {self.port + 2} RTP/AVP {self.codecs}")
+        lines += [f"a=rtpmap:{pt} {rtpmap[pt]}" for pt in self.codecs.split()]
+        return ("\r\n".join([*lines, "a=sendrecv"]) + "\r\n").encode()
+
+    def invite(self) -> sip.SipMessage:
+        self.invite_data = self.request("INVITE", branch=self.invite_branch, body=self.offer())
+        self.send(self.invite_data)
+        self.statuses, response = self.final()
+        if response.status == 200:
+            self.to_tag = response.to_tag
+            answer = negotiate(response.body)
+            self.rtp = answer.remote
+            self.codec = answer.codec
+        self.send(self.request("ACK", branch=self.invite_branch if response.status >= 300 else None))
+        return response
+
+    def bye(self) -> sip.SipMessage:
+        self.cseq += 1
+        self.send(self.request("BYE"))
+        while (response := self.receive()).cseq[1] != "BYE":  # skip retransmitted 200s to the INVITE
+            pass
+        return response
+
+    def expect_bye(self, timeout_s: float) -> sip.SipMessage:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            message = self.receive(max(deadline - time.monotonic(), 0.01))
+            if message.method == "BYE":
+                self.sock.sendto(sip.response(message, 200, "OK", source=("127.0.0.1", 0)), self.gateway)
+                return message
+
+
+def g711(audio: np.ndarray, codec: str) -> bytes:
+    return encode(audio, "MULAW" if codec == "PCMU" else "ALAW")
+
+
+def rtp_stream(payload: bytes, pt: int, ssrc: int = 0x1111, seq0: int = 65500, ts0: int = 1 << 31) -> list[bytes]:
+    """20 ms packets, the sequence number wrapping early on."""
+    return [
+        rtp(seq0 + i, ts0 + i * 160, payload[offset : offset + 160], pt, ssrc)
+        for i, offset in enumerate(range(0, len(payload), 160))
+    ]
+
+
+def send_paced(sock: socket.socket, destination: tuple[str, int], packets: list[bytes], pace_s: float = 0.01):
+    start = time.monotonic()
+    for i, data in enumerate(packets):
+        if data:
+            try:
+                sock.sendto(data, destination)
+            except OSError:  # the test closed the socket: stop
+                return
+        time.sleep(max(start + (i + 1) * pace_s - time.monotonic(), 0))
+
+
+class WebhookServer(http.server.ThreadingHTTPServer):
+    def __init__(self):
+        self.received: list[dict] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(handler):
+                body = handler.rfile.read(int(handler.headers["Content-Length"]))
+                self.received.append(json.loads(body))
+                handler.send_response(204)
+                handler.end_headers()
+
+            def log_message(handler, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/results"
+
+
+# -- end to end: fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LocalServer(engine=EngineConfig(max_sessions=16, max_batch=16)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    hook = WebhookServer()
+    thread = threading.Thread(target=hook.serve_forever, daemon=True)
+    thread.start()
+    yield hook
+    hook.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gateway(server, webhook, tmp_path_factory):
+    audiosocket_port = free_port(socket.SOCK_STREAM)
+    options = f"--rtp-timeout-s 3 --ring-ms 400 --max-calls 16 --audiosocket-port {audiosocket_port}"
+    gw = Gateway(tmp_path_factory.mktemp("gateway"), server.address, *options.split(), "--webhook", webhook.url)
+    gw.audiosocket_port = audiosocket_port
+    yield gw
+    log = gw.stop()
+    assert gw.process.returncode == 0, log[-3000:]
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture
+def phone(gateway):
+    phones = []
+
+    def make(**kwargs) -> Phone:
+        phones.append(Phone(gateway.address, **kwargs))
+        return phones[-1]
+
+    yield make
+    for p in phones:
+        p.close()
+
+
+# -- end to end: SIP -------------------------------------------------------------------------------
+
+
+def test_options_unknown_methods_and_retransmissions(gateway, phone):
+    p = phone()
+    options = p.request("OPTIONS", branch="z9hG4bKopt1")
+    p.send(options)
+    first = p.receive()
+    assert first.status == 200 and "INVITE" in first.get("allow")
+    p.sock.settimeout(5)
+    p.send(options)  # a retransmission: the same response, byte for byte
+    again = p.sock.recv(65535)
+    p.send(options)
+    assert p.sock.recv(65535) == again and sip.parse(again).to_tag == first.to_tag
+    for method in ("INFO", "REGISTER", "FOOBAR"):
+        p.send(p.request(method))
+        assert p.receive().status == 501
+    p.send(p.request("BYE"))
+    assert p.receive().status == 481
+
+
+def test_invite_without_g711_is_refused_with_488(gateway, phone):
+    p = phone(codecs="9")
+    assert p.invite().status == 488
+    assert p.statuses[0] == 100
+
+
+def test_cancel_while_ringing(gateway, phone):
+    p = phone()
+    p.send(p.request("INVITE", branch=p.invite_branch, body=p.offer()))
+    assert [p.receive().status, p.receive().status] == [100, 180]
+    p.send(p.request("CANCEL", branch=p.invite_branch))
+    responses = {(r.cseq[1], r.status) for r in (p.receive(), p.receive())}
+    assert responses == {("CANCEL", 200), ("INVITE", 487)}
+    p.send(p.request("ACK", branch=p.invite_branch))
+    p.send(p.request("CANCEL", branch=sip.new_branch()))  # nothing to cancel
+    assert p.receive().status == 481
+
+
+def test_no_rtp_ends_the_call_cleanly(gateway, phone):
+    p = phone()
+    assert p.invite().status == 200
+    p.send(p.invite_data)  # a retransmitted INVITE: answered again, no second call
+    assert p.receive().status == 200
+    bye = p.expect_bye(timeout_s=10)  # the gateway's RTP timeout is 3 s
+    assert bye.call_id == p.call_id and bye.from_tag == p.to_tag and bye.to_tag == p.tag
+    log = gateway.wait_log(f"call {p.call_id} ended (no RTP at all for 3 s)")
+    assert log.count(f"call {p.call_id} from") == 1
+    assert gateway.lines(p.call_id) == []
+
+
+@needs_espeak
+def test_a_caller_that_stops_sending_gets_its_final_then_a_bye(gateway, phone, call_audio):
+    """Silence is fed while no packet arrives (a phone with silence suppression, a stalled network), so
+    the server ends the utterance without waiting for the RTP timeout."""
+    audio, span_ms = call_audio
+    p = phone()
+    assert p.invite().status == 200
+    speech_only = audio[: span_ms[1] * RATE_HZ // 1000 + 80]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+        send_paced(media, p.rtp, rtp_stream(g711(speech_only, p.codec), pt=0))
+    deadline = time.monotonic() + 2.5  # the RTP timeout is 3 s
+    while not [line for line in gateway.lines(p.call_id) if line["is_final"]]:
+        assert time.monotonic() < deadline, "no final while the caller sent nothing"
+        time.sleep(0.05)
+    assert f"call {p.call_id} ended" not in gateway.log.read_text()
+    p.expect_bye(timeout_s=10)
+    gateway.wait_log(f"call {p.call_id} ended (RTP stopped for 3 s)")
+    check_finals(gateway.lines(p.call_id), span_ms, p.call_id)
+
+
+@needs_espeak
+def test_crafted_call_with_reordering_loss_dtmf_and_an_ssrc_change(gateway, phone, call_audio):
+    audio, span_ms = call_audio
+    p = phone(codecs="8 0 101")
+    assert p.invite().status == 200 and p.codec == "PCMA"
+    p.cseq += 1  # a re-INVITE (a session refresh) gets the same answer
+    p.send(p.request("INVITE", body=p.offer()))
+    reinvite = p.final()[1]
+    assert reinvite.status == 200 and negotiate(reinvite.body).remote == p.rtp
+    p.send(p.request("ACK"))
+    payload = g711(audio, "PCMA")
+    half = len(payload) // 320 * 160
+    packets = rtp_stream(payload[:half], pt=8) + rtp_stream(payload[half:], pt=8, ssrc=0x2222, seq0=7, ts0=123)
+    # DTMF instead of 3 packets of the leading silence, as a phone sends it; losses, duplicates, swaps.
+    for i in (5, 6, 7):
+        packets[i] = packets[i][:1] + bytes([101]) + packets[i][2:12] + b"\x05\x0a\x01\x40"
+    for i in range(20, len(packets) - 2, 9):
+        packets[i], packets[i + 1] = packets[i + 1], packets[i]
+    for i in range(31, len(packets), 23):
+        packets[i] = b""
+    packets[40:40] = [packets[38]]
+    rtcp = bytes([0x80, 201, 0, 1]) + bytes(4)
+    packets[10:10] = [rtcp]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+        send_paced(media, p.rtp, packets, pace_s=0.01)
+    time.sleep(0.1)
+    assert p.bye().status == 200
+    lines = gateway.wait_ended(p.call_id)
+    finals = check_finals(lines, span_ms, p.call_id)
+    assert finals[0]["from"] == f"sip:phone{p.port}@127.0.0.1" and finals[0]["to"] == "sip:asr@127.0.0.1"
+    stats = call_stats(gateway.log.read_text(), p.call_id)
+    assert stats["SSRC changes"] == 1 and stats["lost"] >= 4 and stats["reordered"] >= 5 and stats["late"] >= 1
+
+
+@needs_espeak
+def test_malformed_datagrams_are_ignored(gateway, phone, call_audio):
+    audio, span_ms = call_audio
+    p = phone()
+    assert p.invite().status == 200
+    junk = [b"", b"\x00", b"\xff" * 11, b"\x80", bytes(range(256)), b"INVITE\r\n\r\n", b"SIP/2.0 200\r\n\r\n"]
+    packets = rtp_stream(g711(audio, p.codec), pt=0 if p.codec == "PCMU" else 8)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+        for i, data in enumerate(junk):
+            packets.insert(3 + 7 * i, data + b"junk")
+            media.sendto(data or b"\r\n", gateway.address)
+            media.sendto(bytes([0x40]) + data + bytes(16), gateway.address)  # RTP version 1 to the SIP port
+        send_paced(media, p.rtp, packets)
+    assert p.bye().status == 200
+    check_finals(gateway.wait_ended(p.call_id), span_ms, p.call_id)
+    assert "ignored malformed SIP datagram" in gateway.log.read_text()
+    assert "ignored malformed RTP datagram" in gateway.log.read_text()
+    assert gateway.alive()
+
+
+@needs_espeak
+def test_ten_concurrent_calls(gateway, phone, call_audio):
+    audio, span_ms = call_audio
+    phones = [phone() for _ in range(10)]
+
+    def call(p: Phone):
+        assert p.invite().status == 200
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+            send_paced(media, p.rtp, rtp_stream(g711(audio, p.codec), pt=0, ssrc=p.port))
+        assert p.bye().status == 200
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in phones]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for p in phones:
+        check_finals(gateway.wait_ended(p.call_id), span_ms, p.call_id)
+
+
+# -- end to end: real peers ------------------------------------------------------------------------
+
+
+def write_wav(path: Path, audio: np.ndarray) -> None:
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(RATE_HZ)
+        wav.writeframes(encode(audio, "LINEAR16"))
+
+
+# What baresip 1.0 needs to call on loopback only: without net_interface it offers (and sends RTP from)
+# the first non-loopback address; without sip_listen it takes port 5060.
+BARESIP_CONFIG = """\
+sip_listen 127.0.0.1:{sip_port}
+net_interface 127.0.0.1
+audio_source aufile,{wav}
+module_path /usr/lib/baresip/modules
+module g711.so
+module aufile.so
+module_app account.so
+module_app menu.so
+"""
+
+
+@needs_espeak
+@pytest.mark.skipif(shutil.which("baresip") is None, reason="needs baresip (apt-get install baresip-core)")
+def test_baresip_calls_pcmu_and_pcma(gateway, tmp_path, call_audio):
+    """baresip plays the file as G.711 and hangs up at its end (then idles until -t: it is stopped)."""
+    audio, span_ms = call_audio
+    wav = tmp_path / "in.wav"
+    write_wav(wav, audio)
+    runs = {}
+    try:
+        for codec in ("PCMU", "PCMA"):
+            home = tmp_path / codec
+            home.mkdir()
+            (home / "config").write_text(BARESIP_CONFIG.format(sip_port=free_port(), wav=wav))
+            (home / "accounts").write_text(f"<sip:{codec.lower()}@127.0.0.1>;regint=0;audio_codecs={codec}\n")
+            command = ["baresip", "-f", str(home), "-e", f"/dial sip:asr@127.0.0.1:{gateway.sip_port}", "-t", "30"]
+            runs[codec] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for codec, run in runs.items():
+            started = f" from sip:{codec.lower()}@127.0.0.1 to sip:asr@127.0.0.1:{gateway.sip_port}: {codec} on"
+            call_id = gateway.wait_log(started).split(started)[0].rsplit("call ", 1)[1]
+            gateway.wait_log(f"call {call_id} ended (the caller hung up)", timeout_s=20)
+            check_finals(gateway.lines(call_id), span_ms, call_id)
+            run.terminate()
+            output = run.communicate(timeout=10)[0]
+            assert "Call established" in output and "terminated" in output, output[-2000:]
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+
+
+def gst_missing() -> str:
+    if shutil.which("gst-launch-1.0") is None:
+        return "needs gst-launch-1.0 (apt-get install gstreamer1.0-tools)"
+    for element in ("wavparse", "mulawenc", "rtppcmupay", "udpsink", "audioresample"):
+        if subprocess.run(["gst-inspect-1.0", element], capture_output=True).returncode != 0:
+            return f"needs the GStreamer element {element} (gstreamer1.0-plugins-good, -base)"
+    return ""
+
+
+class LossyProxy(threading.Thread):
+    """Forwards UDP to ``destination``, holding every 6th packet back by one (a swap) and dropping
+    every 25th."""
+
+    def __init__(self, destination: tuple[str, int]):
+        super().__init__(daemon=True)
+        self.destination = destination
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.forwarded = self.dropped = self.swapped = 0
+        self.running = True
+
+    def run(self):
+        held, count = None, 0
+        while self.running:
+            try:
+                data = self.sock.recv(65535)
+            except TimeoutError:
+                continue
+            count += 1
+            if count % 25 == 0 and held is None:
+                self.dropped += 1
+            elif count % 6 == 0 and held is None:
+                held = data
+                continue
+            else:
+                self.sock.sendto(data, self.destination)
+                self.forwarded += 1
+            if held is not None:
+                self.sock.sendto(held, self.destination)
+                held, self.swapped = None, self.swapped + 1
+
+    def stop(self):
+        self.running = False
+        self.join(2)
+        self.sock.close()
+
+
+@needs_espeak
+def test_gstreamer_rtp_through_a_lossy_reordering_proxy(gateway, phone, tmp_path, call_audio):
+    if missing := gst_missing():
+        pytest.skip(missing)
+    audio, span_ms = call_audio
+    wav = tmp_path / "in.wav"
+    write_wav(wav, audio)
+    p = phone(codecs="0")
+    assert p.invite().status == 200
+    proxy = LossyProxy(p.rtp)
+    proxy.start()
+    pipeline = (
+        f"filesrc location={wav} ! wavparse ! audioconvert ! audioresample ! audio/x-raw,rate=8000,channels=1"
+        f" ! mulawenc ! rtppcmupay min-ptime=20000000 max-ptime=20000000 ! udpsink host=127.0.0.1 port={proxy.port}"
+    )
+    result = subprocess.run(
+        ["gst-launch-1.0", "-q", *pipeline.split()], capture_output=True, text=True, timeout=30
+    )
+    time.sleep(0.2)
+    proxy.stop()
+    assert result.returncode == 0, result.stderr
+    assert proxy.dropped and proxy.swapped and proxy.forwarded > 50
+    assert p.bye().status == 200
+    check_finals(gateway.wait_ended(p.call_id), span_ms, p.call_id)
+    stats = call_stats(gateway.log.read_text(), p.call_id)
+    assert stats["lost"] == proxy.dropped and stats["reordered"] == proxy.swapped
+
+
+# -- end to end: AudioSocket, webhook --------------------------------------------------------------
+
+
+@needs_espeak
+def test_audiosocket_call_and_webhook(gateway, webhook, call_audio):
+    audio, span_ms = call_audio
+    call_id = uuid.uuid4()
+    pcm = encode(audio, "LINEAR16")
+    with socket.create_connection(("127.0.0.1", gateway.audiosocket_port), timeout=15) as conn:
+        conn.sendall(b"\x01\x00\x10" + call_id.bytes)
+        for offset in range(0, len(pcm), 320):
+            conn.sendall(b"\x10" + len(pcm[offset : offset + 320]).to_bytes(2, "big") + pcm[offset : offset + 320])
+            if offset % 3200 == 0:
+                conn.sendall(b"\x03\x00\x01" + b"5")  # a DTMF digit, ignored
+            time.sleep(0.005)
+        conn.sendall(b"\x00\x00\x00")
+        assert conn.recv(1) == b""  # the gateway closes after the last final
+    gateway.wait_log(f"AudioSocket call {call_id} ended (Asterisk hung up)")
+    lines = gateway.lines(str(call_id))
+    check_finals(lines, span_ms, str(call_id))
+    deadline = time.monotonic() + 5
+    while [line for line in webhook.received if line["call_id"] == str(call_id)] != lines:
+        assert time.monotonic() < deadline, "the webhook did not get the same lines"
+        time.sleep(0.05)
+
+
+# -- end to end: a server outage -------------------------------------------------------------------
+
+
+@needs_espeak
+def test_server_outage_ends_calls_without_a_crash(tmp_path, call_audio):
+    audio, _ = call_audio
+    server = LocalServer(engine=EngineConfig(max_sessions=4, max_batch=4)).start()
+    server_up, gw, phones = True, None, []
+    stack = contextlib.ExitStack()
+    try:
+        gw = Gateway(tmp_path, server.address, "--max-calls", "1", "--rtp-timeout-s", "10")
+        phones = [Phone(gw.address) for _ in range(3)]
+        first, second, third = phones
+        assert first.invite().status == 200
+        assert second.invite().status == 486  # --max-calls 1
+        packets = rtp_stream(g711(np.tile(audio, 3), first.codec), pt=0)
+        media = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        threading.Thread(target=send_paced, args=(media, first.rtp, packets, 0.02), daemon=True).start()
+        time.sleep(1.0)
+        server.stop()
+        server_up = False
+        first.expect_bye(timeout_s=10)
+        log = gw.wait_log(f"call {first.call_id} ended")
+        assert "ERROR" in log and "cosystream session failed" in log
+        assert third.invite().status == 503  # the server is still down
+        assert gw.alive()
+        third.send(third.request("OPTIONS"))
+        assert third.receive().status == 200
+    finally:
+        stack.close()
+        for p in phones:
+            p.close()
+        if server_up:
+            server.stop()
+        if gw is not None:
+            log = gw.stop()
+            assert "Traceback" not in log, log
