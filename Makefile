@@ -3,11 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# System packages the tests use (speech synthesis for test audio).
+# System packages the tests use: speech synthesis, PulseAudio + PortAudio (mic client), SIP and RTP peers.
 APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins \
 	baresip-core gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good
 
-.PHONY: serve test lint protos check-protos install install-dev system-deps bench clean
+.PHONY: serve test lint protos install install-dev system-deps clean
 
 serve: install
 	$(VENV)/bin/cosystream serve $(ARGS)

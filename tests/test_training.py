@@ -37,11 +37,29 @@ def trained(tmp_path_factory) -> Path:
     corpus.save_shard(data / "train" / "shard_00000.npz", audios, texts, labels)
     corpus.save_shard(data / "eval" / "train_voices.npz", audios[:2], texts[:2], labels[:2])
     run = root / "run"
-    train.main([
-        "--corpus", str(data), "--run", str(run), "--total-steps", "40", "--warmup", "5", "--peak-lr", "1e-2",
-        "--batch-seconds", "30", "--log-every", "5", "--no-augment", "--config", json.dumps(TINY),
-        "--eval-limit", "2",
-    ])
+    train.main(
+        [
+            "--corpus",
+            str(data),
+            "--run",
+            str(run),
+            "--total-steps",
+            "40",
+            "--warmup",
+            "5",
+            "--peak-lr",
+            "1e-2",
+            "--batch-seconds",
+            "30",
+            "--log-every",
+            "5",
+            "--no-augment",
+            "--config",
+            json.dumps(TINY),
+            "--eval-limit",
+            "2",
+        ]
+    )
     return run
 
 
@@ -61,8 +79,23 @@ def test_resume_continues_from_checkpoint(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     corpus_dir = trained.parent / "corpus"
-    train.main(["--corpus", str(corpus_dir), "--run", str(run), "--total-steps", "40", "--max-steps", "42",
-                "--no-augment", "--log-every", "1", "--eval-limit", "1"])
+    train.main(
+        [
+            "--corpus",
+            str(corpus_dir),
+            "--run",
+            str(run),
+            "--total-steps",
+            "40",
+            "--max-steps",
+            "42",
+            "--no-augment",
+            "--log-every",
+            "1",
+            "--eval-limit",
+            "1",
+        ]
+    )
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     resumed = [r for r in records if r.get("event") == "resumed"]
     assert resumed and resumed[-1]["step"] == 40
@@ -88,7 +121,7 @@ def test_export_round_trip_and_streaming(trained, tmp_path):
         assert torch.allclose(offline, model(pcm), atol=1e-5)
         caches = loaded.init_caches(2)
         outputs, start = [], 0
-        for i, frames in enumerate([1, 4, 2, 16, 3, 1, 7] * 10):
+        for frames in [1, 4, 2, 16, 3, 1, 7] * 10:
             if start >= 150:
                 break
             frames = min(frames, 150 - start)

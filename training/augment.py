@@ -100,7 +100,7 @@ def augment(x: np.ndarray, rng: np.random.Generator, strength: float = 1.0) -> n
     """One random version of ``x`` (float32, 16 kHz)."""
     if rng.random() < 0.9 * strength:
         speed = rng.uniform(0.85, 1.15)
-        x = soxr.resample(x, SAMPLE_RATE, int(round(SAMPLE_RATE / speed))).astype(np.float32)
+        x = soxr.resample(x, SAMPLE_RATE, round(SAMPLE_RATE / speed)).astype(np.float32)
     if rng.random() < 0.3 * strength:
         x = reverb(x, rng)
     lead = int(rng.uniform(0.0, 0.5) * SAMPLE_RATE) if rng.random() < 0.7 else 0
@@ -122,7 +122,7 @@ def augment(x: np.ndarray, rng: np.random.Generator, strength: float = 1.0) -> n
 
 def spec_augment(features: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Frequency masks (2 x up to 12 bins) and time masks (~1 per second, up to 25 frames) per utterance."""
-    batch, frames, bins = features.shape
+    batch, _, bins = features.shape
     out = features.clone()
     rand = lambda hi: int(torch.randint(0, max(1, hi), (1,), generator=generator))  # noqa: E731
     for b in range(batch):

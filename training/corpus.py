@@ -39,14 +39,80 @@ from training.text import fortune_sentences
 
 SAMPLE_RATE = 16000
 
-ESPEAK_ACCENTS = ["en", "en-us", "en-gb", "en-029", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan",
-                  "en-gb-x-gbcwmd", "en-us-nyc"]
-ESPEAK_FEMALE = ["f1", "f2", "f3", "f4", "f5", "Annie", "Alicia", "Andrea", "anika", "belinda", "linda", "steph",
-                 "steph2", "steph3", "aunty", "grandma", "shelby", "whisperf"]
-ESPEAK_MALE = ["", "m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "klatt", "klatt2", "klatt3", "klatt4",
-               "klatt5", "klatt6", "adam", "Alex", "Andy", "benjamin", "caleb", "david", "ed", "edward", "iven",
-               "iven2", "john", "Lee", "max", "Michael", "Mike", "paul", "quincy", "rob", "robert", "travis",
-               "zac", "Gene", "norbert", "grandpa", "Storm", "Hugo"]
+ESPEAK_ACCENTS = [
+    "en",
+    "en-us",
+    "en-gb",
+    "en-029",
+    "en-gb-scotland",
+    "en-gb-x-rp",
+    "en-gb-x-gbclan",
+    "en-gb-x-gbcwmd",
+    "en-us-nyc",
+]
+ESPEAK_FEMALE = [
+    "f1",
+    "f2",
+    "f3",
+    "f4",
+    "f5",
+    "Annie",
+    "Alicia",
+    "Andrea",
+    "anika",
+    "belinda",
+    "linda",
+    "steph",
+    "steph2",
+    "steph3",
+    "aunty",
+    "grandma",
+    "shelby",
+    "whisperf",
+]
+ESPEAK_MALE = [
+    "",
+    "m1",
+    "m2",
+    "m3",
+    "m4",
+    "m5",
+    "m6",
+    "m7",
+    "m8",
+    "klatt",
+    "klatt2",
+    "klatt3",
+    "klatt4",
+    "klatt5",
+    "klatt6",
+    "adam",
+    "Alex",
+    "Andy",
+    "benjamin",
+    "caleb",
+    "david",
+    "ed",
+    "edward",
+    "iven",
+    "iven2",
+    "john",
+    "Lee",
+    "max",
+    "Michael",
+    "Mike",
+    "paul",
+    "quincy",
+    "rob",
+    "robert",
+    "travis",
+    "zac",
+    "Gene",
+    "norbert",
+    "grandpa",
+    "Storm",
+    "Hugo",
+]
 MBROLA = [("mb-us1", "f"), ("mb-us2", "m"), ("mb-us3", "m"), ("mb-en1", "m")]
 FLITE = [("kal16", "m"), ("kal", "m"), ("awb", "m"), ("rms", "m")]
 FESTIVAL = [("kal_diphone", "m"), ("ked_diphone", "m")]
@@ -79,9 +145,14 @@ def sample_voice(rng: random.Random) -> Voice:
         female = rng.random() < 0.5
         variant = rng.choice(ESPEAK_FEMALE if female else ESPEAK_MALE)
         name = rng.choice(ESPEAK_ACCENTS) + (f"+{variant}" if variant else "")
-        voice = Voice("espeak", name, rate=rng.uniform(0.8, 1.35), pitch=rng.uniform(25, 80) if not female else rng.uniform(40, 90))
+        voice = Voice(
+            "espeak",
+            name,
+            rate=rng.uniform(0.8, 1.35),
+            pitch=rng.uniform(25, 80) if not female else rng.uniform(40, 90),
+        )
     elif r < 0.70:
-        name, sex = rng.choice(MBROLA + [MBROLA[0]])  # us1 (female) twice as often
+        name, sex = rng.choice([*MBROLA, MBROLA[0]])  # us1 (female) twice as often
         voice = Voice("espeak", name, rate=rng.uniform(0.8, 1.3), pitch=rng.uniform(30, 80))
         if sex == "m" and rng.random() < 0.3:
             voice.shift_cents = rng.randint(300, 700)
@@ -122,13 +193,24 @@ def _run(cmd: list[str], stdin: bytes | None = None, timeout: float = 60) -> byt
 
 def synth_espeak(text: str, voice: Voice) -> np.ndarray:
     wpm = int(175 * voice.rate)
-    return _read_wav(_run(["espeak-ng", "-v", voice.name, "-s", str(wpm), "-p", str(int(voice.pitch)), "--stdout", text]))
+    return _read_wav(
+        _run(["espeak-ng", "-v", voice.name, "-s", str(wpm), "-p", str(int(voice.pitch)), "--stdout", text])
+    )
 
 
 def synth_flite(text: str, voice: Voice, tmp: Path) -> np.ndarray:
     out = tmp / "flite.wav"
-    cmd = ["flite", "-voice", voice.name, "-t", text, "-o", str(out),
-           "--setf", f"duration_stretch={1.0 / voice.rate:.3f}"]
+    cmd = [
+        "flite",
+        "-voice",
+        voice.name,
+        "-t",
+        text,
+        "-o",
+        str(out),
+        "--setf",
+        f"duration_stretch={1.0 / voice.rate:.3f}",
+    ]
     if voice.name != "slt" and voice.pitch != 1.0:
         mean = {"kal16": 105.0, "kal": 105.0, "awb": 110.0, "rms": 95.0}.get(voice.name, 100.0)
         cmd += ["--setf", f"int_f0_target_mean={mean * voice.pitch:.1f}"]
@@ -257,7 +339,9 @@ def build_eval(out: Path, eval_sentences: list[str], seed: int, tmp: Path) -> No
         keep = [i for i, a in enumerate(audios) if a is not None]
         save_shard(path, [audios[i] for i in keep], [items[i][0] for i in keep], [items[i][1].label for i in keep])
         hours = sum(audios[i].size for i in keep) / SAMPLE_RATE / 3600
-        print(f"eval {name}: {len(keep)} utterances, {hours * 60:.1f} min, {time.time() - start:.1f} s", flush=True)
+        print(
+            f"eval {name}: {len(keep)} utterances, {hours * 60:.1f} min, {time.time() - start:.1f} s", flush=True
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,7 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     (out / "eval").mkdir(parents=True, exist_ok=True)
     train, eval_sentences = split_sentences(args.seed, args.eval_sentences)
     (out / "sentences.json").write_text(json.dumps({"train": train, "eval": eval_sentences}, indent=0))
-    print(f"{len(train)} training sentences, {len(eval_sentences)} eval sentences; mbrola: {_mbrola_ok()}", flush=True)
+    print(
+        f"{len(train)} training sentences, {len(eval_sentences)} eval sentences; mbrola: {_mbrola_ok()}",
+        flush=True,
+    )
 
     with tempfile.TemporaryDirectory(prefix="cosy-synth-") as tmpdir:
         tmp = Path(tmpdir)
@@ -302,7 +389,9 @@ def main(argv: list[str] | None = None) -> None:
             items = [(t, sample_voice(rng)) for t in texts]
             audios = synthesize(items, tmp)
             keep = [i for i, a in enumerate(audios) if a is not None]
-            save_shard(path, [audios[i] for i in keep], [texts[i] for i in keep], [items[i][1].label for i in keep])
+            save_shard(
+                path, [audios[i] for i in keep], [texts[i] for i in keep], [items[i][1].label for i in keep]
+            )
             done += sum(audios[i].size for i in keep)
             shard += 1
             elapsed = time.time() - started

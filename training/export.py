@@ -31,7 +31,11 @@ def model_from_checkpoint(path: Path) -> tuple[ConvCtcModel, dict]:
 
 def export(model: ConvCtcModel, out: Path) -> None:
     save_model(model, out)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.name in {"config.json", "vocabulary.json", "model.safetensors"})
+    size = sum(
+        f.stat().st_size
+        for f in out.iterdir()
+        if f.name in {"config.json", "vocabulary.json", "model.safetensors"}
+    )
     if size > MAX_BYTES:
         raise SystemExit(f"exported model is {size} bytes > {MAX_BYTES}")
     loaded = load_model(out)
@@ -43,7 +47,10 @@ def export(model: ConvCtcModel, out: Path) -> None:
 
 def markdown(results: dict) -> str:
     groups = sorted({k.split("@")[0] for k in results if k != "held_out_mean"})
-    lines = ["| voice group | WER 16 kHz | CER 16 kHz | WER 8 kHz mu-law | CER 8 kHz mu-law |", "|---|---|---|---|---|"]
+    lines = [
+        "| voice group | WER 16 kHz | CER 16 kHz | WER 8 kHz mu-law | CER 8 kHz mu-law |",
+        "|---|---|---|---|---|",
+    ]
     for g in groups:
         a, b = results.get(g, {}), results.get(g + "@8k-mulaw", {})
         fmt = lambda r, k: f"{100 * r[k]:.1f}%" if k in r else "-"  # noqa: E731
@@ -72,8 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     mean = lambda key, cond: sum(results[g + cond][key] for g in HELD_OUT) / len(HELD_OUT)  # noqa: E731
     results["held_out_mean@8k-mulaw"] = {"wer": mean("wer", "@8k-mulaw"), "cer": mean("cer", "@8k-mulaw")}
     results["held_out_mean"] = {"wer": mean("wer", ""), "cer": mean("cer", "")}
-    meta = {"checkpoint": str(args.checkpoint), "step": ck["step"], "audio_hours_seen": ck["audio_seen"] / 3600,
-            "train_seconds": ck["train_seconds"], "flops_per_frame": load_model(args.out).flops_per_frame()}
+    meta = {
+        "checkpoint": str(args.checkpoint),
+        "step": ck["step"],
+        "audio_hours_seen": ck["audio_seen"] / 3600,
+        "train_seconds": ck["train_seconds"],
+        "flops_per_frame": load_model(args.out).flops_per_frame(),
+    }
     (args.out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     table = markdown(results)
     (args.out / "eval.md").write_text(table)

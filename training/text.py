@@ -20,10 +20,36 @@ FORTUNE_DIR = Path("/usr/share/games/fortunes")
 SKIP_FILES = {"ascii-art", "art", "translate-me", "perl", "linux", "debian", "computers", "linuxcookie", "zippy"}
 ALPHABET = set(" 'abcdefghijklmnopqrstuvwxyz")
 
-_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
-_TENS = "zero ten twenty thirty forty fifty sixty seventy eighty ninety".split()
+_ONES = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
+_TENS = ["zero", "ten", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 _ORD = {
-    "one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth", "nine": "ninth",
+    "one": "first",
+    "two": "second",
+    "three": "third",
+    "five": "fifth",
+    "eight": "eighth",
+    "nine": "ninth",
     "twelve": "twelfth",
 }
 
@@ -55,7 +81,7 @@ def ordinal_words(n: int) -> str:
         last = last[:-1] + "ieth"
     else:
         last += "th"
-    return " ".join(words[:-1] + [last])
+    return " ".join([*words[:-1], last])
 
 
 def year_words(n: int) -> str:
@@ -84,7 +110,7 @@ def _number_token(match: re.Match[str]) -> str:
         value = int(text)
         if value >= 10**12:
             return " "
-        if 1100 <= value <= 1999 or 2010 <= value <= 2099 and not money and "," not in match.group(0):
+        if 1100 <= value <= 1999 or (2010 <= value <= 2099 and not money and "," not in match.group(0)):
             words = year_words(value)
         else:
             words = number_words(value)
@@ -97,8 +123,19 @@ def _number_token(match: re.Match[str]) -> str:
 
 _NUMBER = re.compile(r"\$?\d[\d,]*(\.\d+)?(st|nd|rd|th)?%?")
 _BAD = re.compile(r"[{}<>=_/\\|@#~^*`\[\]]|https?:|www\.|\.com|\t")
-_ABBREV = {"mr.": "mister", "mrs.": "missus", "dr.": "doctor", "st.": "saint", "vs.": "versus", "etc.": "et cetera",
-           "e.g.": "for example", "i.e.": "that is", "jr.": "junior", "sr.": "senior", "mt.": "mount"}
+_ABBREV = {
+    "mr.": "mister",
+    "mrs.": "missus",
+    "dr.": "doctor",
+    "st.": "saint",
+    "vs.": "versus",
+    "etc.": "et cetera",
+    "e.g.": "for example",
+    "i.e.": "that is",
+    "jr.": "junior",
+    "sr.": "senior",
+    "mt.": "mount",
+}
 
 
 def normalize(sentence: str) -> str | None:

@@ -123,13 +123,22 @@ def load_eval(directory: Path, limit: int | None = None) -> dict[str, tuple[list
     for path in sorted((directory / "eval").glob("*.npz")):
         audio, offsets, texts, _ = load_shard(path)
         n = len(texts) if limit is None else min(limit, len(texts))
-        groups[path.stem] = ([audio[offsets[i] : offsets[i + 1]].astype(np.float32) / 32768.0 for i in range(n)], texts[:n])
+        groups[path.stem] = (
+            [audio[offsets[i] : offsets[i + 1]].astype(np.float32) / 32768.0 for i in range(n)],
+            texts[:n],
+        )
     return groups
 
 
 @torch.no_grad()
-def evaluate(model: ConvCtcModel, groups, device, telephone_too: bool = True, batch_seconds: float = 120.0,
-             examples: int = 0) -> dict:
+def evaluate(
+    model: ConvCtcModel,
+    groups,
+    device,
+    telephone_too: bool = True,
+    batch_seconds: float = 120.0,
+    examples: int = 0,
+) -> dict:
     """Greedy WER/CER per group (``<group>`` at 16 kHz, ``<group>@8k-mulaw`` after a phone round trip)."""
     model.eval()
     results = {}
@@ -205,8 +214,12 @@ def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.03) 
 
 
 def rng_state(py: random.Random, np_rng: np.random.Generator, gen: torch.Generator) -> dict:
-    return {"python": py.getstate(), "numpy": np_rng.bit_generator.state, "torch": gen.get_state(),
-            "torch_global": torch.get_rng_state()}
+    return {
+        "python": py.getstate(),
+        "numpy": np_rng.bit_generator.state,
+        "torch": gen.get_state(),
+        "torch_global": torch.get_rng_state(),
+    }
 
 
 def save_checkpoint(path: Path, **state) -> None:
@@ -263,8 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.peak_lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.peak_lr,
+        betas=(0.9, 0.98),
+    )
     step, epoch, batch_index, audio_seen, train_seconds = 0, 0, 0, 0.0, 0.0
     epoch_shards: list[str] | None = None
     best_cer = float("inf")
@@ -276,8 +292,11 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(ck["model"])
         decay = [prm for n, prm in model.named_parameters() if prm.ndim >= 2 and "norm" not in n]
         no_decay = [prm for n, prm in model.named_parameters() if not (prm.ndim >= 2 and "norm" not in n)]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.peak_lr, betas=(0.9, 0.98))
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=args.peak_lr,
+            betas=(0.9, 0.98),
+        )
         opt.load_state_dict(ck["optimizer"])
         step, epoch, batch_index = ck["step"], ck["epoch"], ck["batch_index"]
         audio_seen, train_seconds, best_cer = ck["audio_seen"], ck["train_seconds"], ck["best_cer"]
@@ -291,9 +310,16 @@ def main(argv: list[str] | None = None) -> None:
         shift, scale = feature_stats(model, corpus, names, np_rng)
         model.features.shift.copy_(shift)
         model.features.scale.copy_(scale)
-        log({"event": "start", "args": {k: str(v) for k, v in vars(args).items()}, "params":
-             sum(x.numel() for x in model.parameters()), "flops_per_frame": model.flops_per_frame(),
-             "shards": len(names), "device": str(device)})
+        log(
+            {
+                "event": "start",
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "params": sum(x.numel() for x in model.parameters()),
+                "flops_per_frame": model.flops_per_frame(),
+                "shards": len(names),
+                "device": str(device),
+            }
+        )
     model.to(device)
     for state in opt.state.values():
         for k, v in state.items():
@@ -304,18 +330,35 @@ def main(argv: list[str] | None = None) -> None:
     max_steps = args.max_steps or args.total_steps
 
     def checkpoint(path: Path) -> None:
-        save_checkpoint(path, model={k: v.cpu() for k, v in model.state_dict().items()},
-                        optimizer=opt.state_dict(), config=json.loads(config.to_json()), step=step, epoch=epoch,
-                        batch_index=batch_index, epoch_shards=epoch_shards, audio_seen=audio_seen,
-                        train_seconds=train_seconds, best_cer=best_cer,
-                        rng=rng_state(py_rng, np_rng, gen))
+        save_checkpoint(
+            path,
+            model={k: v.cpu() for k, v in model.state_dict().items()},
+            optimizer=opt.state_dict(),
+            config=json.loads(config.to_json()),
+            step=step,
+            epoch=epoch,
+            batch_index=batch_index,
+            epoch_shards=epoch_shards,
+            audio_seen=audio_seen,
+            train_seconds=train_seconds,
+            best_cer=best_cer,
+            rng=rng_state(py_rng, np_rng, gen),
+        )
 
     def run_eval() -> None:
         nonlocal best_cer
         t0 = time.time()
         res = evaluate(model, eval_groups, device, examples=2)
-        log({"event": "eval", "step": step, "epoch": epoch, "audio_hours": round(audio_seen / 3600, 2),
-             "eval_s": round(time.time() - t0, 1), "results": res})
+        log(
+            {
+                "event": "eval",
+                "step": step,
+                "epoch": epoch,
+                "audio_hours": round(audio_seen / 3600, 2),
+                "eval_s": round(time.time() - t0, 1),
+                "results": res,
+            }
+        )
         cer = res["held_out_mean"]["cer"]
         if cer < best_cer:
             best_cer = cer
@@ -336,8 +379,15 @@ def main(argv: list[str] | None = None) -> None:
         batches = make_batches(corpus.items(epoch_shards), args.batch_seconds, args.max_utterance_s, epoch_rng)
         if batch_index == 0:
             n_utt = sum(len(b) for b in batches)
-            log({"event": "epoch", "epoch": epoch, "shards": len(epoch_shards), "utterances": n_utt,
-                 "batches": len(batches)})
+            log(
+                {
+                    "event": "epoch",
+                    "epoch": epoch,
+                    "shards": len(epoch_shards),
+                    "utterances": n_utt,
+                    "batches": len(batches),
+                }
+            )
         while batch_index < len(batches) and step < max_steps:
             t0 = time.time()
             batch = batches[batch_index]
@@ -362,8 +412,12 @@ def main(argv: list[str] | None = None) -> None:
             if not args.no_augment:
                 features = spec_augment(features, in_lengths, gen)
             log_probs = model.encode(features).log_softmax(-1)
-            loss = ctc(log_probs.transpose(0, 1).float().cpu() if device.type != "cuda" else log_probs.transpose(0, 1),
-                       flat.to(device) if device.type == "cuda" else flat, in_lengths, tgt_lengths)
+            loss = ctc(
+                log_probs.transpose(0, 1).float().cpu() if device.type != "cuda" else log_probs.transpose(0, 1),
+                flat.to(device) if device.type == "cuda" else flat,
+                in_lengths,
+                tgt_lengths,
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
@@ -375,9 +429,17 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum += loss.item()
             loss_n += 1
             if step % args.log_every == 0:
-                log({"event": "train", "step": step, "epoch": epoch, "loss": round(loss_sum / loss_n, 4),
-                     "lr": round(opt.param_groups[0]["lr"], 6), "audio_hours": round(audio_seen / 3600, 2),
-                     "step_s": round((time.time() - t_interval) / loss_n, 3)})
+                log(
+                    {
+                        "event": "train",
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": round(loss_sum / loss_n, 4),
+                        "lr": round(opt.param_groups[0]["lr"], 6),
+                        "audio_hours": round(audio_seen / 3600, 2),
+                        "step_s": round((time.time() - t_interval) / loss_n, 3),
+                    }
+                )
                 loss_sum = loss_n = 0.0
                 t_interval = time.time()
             now = time.time()
