@@ -105,22 +105,27 @@ class Server:
             self.process.kill()
 
 
+def probe_command(server: Server, json_path: str, *args: str) -> list[str]:
+    """The latency probe's command line against ``server``, writing its JSON to ``json_path``."""
+    return [
+        sys.executable,
+        str(ROOT / "clients" / "latency_probe.py"),
+        "--server",
+        server.address,
+        "--metrics-url",
+        server.metrics_url,
+        "--json",
+        json_path,
+        *args,
+    ]
+
+
 def probe(server: Server, *args: str) -> tuple[dict, float]:
     """Run the latency probe in its own process; returns its JSON and the server's CPU seconds meanwhile."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         before = cpu_seconds(server.process.pid)
         subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "clients" / "latency_probe.py"),
-                "--server",
-                server.address,
-                "--metrics-url",
-                server.metrics_url,
-                "--json",
-                out.name,
-                *args,
-            ],
+            probe_command(server, out.name, *args),
             check=True,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.servers import local_server
 from tests.speech import encode, needs_espeak, silence, speech
 
 speech_v1 = pytest.importorskip("google.cloud.speech_v1", reason="needs google-cloud-speech (the compat extra)")
@@ -23,12 +24,8 @@ from google.cloud.speech_v1.services.speech.transports import SpeechGrpcTranspor
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from cosystream.engine.core import EngineConfig  # noqa: E402
 from cosystream.server.compat.bridge import AbortGuard  # noqa: E402
 from cosystream.server.compat.google_speech import EARLY_CODES  # noqa: E402
-from cosystream.server.frontend import FrontendConfig  # noqa: E402
-from cosystream.server.local import LocalServer  # noqa: E402
-from cosystream.server.servicer import StreamOptions  # noqa: E402
 
 pytestmark = needs_espeak
 
@@ -41,10 +38,7 @@ Event = speech_v1.StreamingRecognizeResponse.SpeechEventType
 
 @pytest.fixture(scope="module")
 def server():
-    frontend = FrontendConfig(
-        host="127.0.0.1", port=0, max_message_bytes=16 << 20, stream=StreamOptions(idle_timeout_s=3.0)
-    )
-    with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=8, max_batch=8)) as srv:
+    with local_server(max_sessions=8) as srv:
         yield srv
 
 

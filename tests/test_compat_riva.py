@@ -18,17 +18,13 @@ from cosystream.server import compat
 from cosystream.server.audio import MULAW_TO_INT16, AudioEncoding
 from cosystream.server.compat.bridge import Downmixer
 from cosystream.server.compat.wav import is_wav, parse_wav_header
+from tests.servers import local_server
 from tests.speech import encode, needs_espeak, silence, speech
 
 riva_client = pytest.importorskip("riva.client", reason="needs nvidia-riva-client (the compat extra)")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 from riva.client.proto import riva_asr_pb2 as rasr  # noqa: E402
-
-from cosystream.engine.core import EngineConfig  # noqa: E402
-from cosystream.server.frontend import FrontendConfig  # noqa: E402
-from cosystream.server.local import LocalServer  # noqa: E402
-from cosystream.server.servicer import StreamOptions  # noqa: E402
 
 SERVICE = "nvidia.riva.asr.RivaSpeechRecognition"
 SENTENCE = "the quick brown fox jumps over the lazy dog"
@@ -38,10 +34,7 @@ Encoding = riva_client.AudioEncoding
 
 @pytest.fixture(scope="module")
 def server():
-    frontend = FrontendConfig(
-        host="127.0.0.1", port=0, max_message_bytes=16 << 20, stream=StreamOptions(idle_timeout_s=3.0)
-    )
-    with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=8, max_batch=8)) as srv:
+    with local_server(max_sessions=8) as srv:
         yield srv
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
-from benchmarks._harness import ROOT, Server
+from benchmarks._harness import ROOT, Server, probe_command
 from tests.speech import needs_espeak
 
 pytestmark = needs_espeak
@@ -20,21 +19,7 @@ METRICS = ("first_packet_ms", "first_result_ms", "chunk_latency_ms", "final_late
 def run_probe(server: Server, tmp_path, *args: str) -> tuple[dict, str]:
     out = tmp_path / "probe.json"
     completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "clients" / "latency_probe.py"),
-            "--server",
-            server.address,
-            "--metrics-url",
-            server.metrics_url,
-            "--json",
-            str(out),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+        probe_command(server, str(out), *args), capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert completed.returncode == 0, completed.stderr
     return json.loads(out.read_text()), completed.stdout

@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cosystream.engine.core import EngineConfig
-from cosystream.server.frontend import FrontendConfig
-from cosystream.server.local import LocalServer
-from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.servers import local_server
 from tests.speech import encode, needs_espeak, silence, speech
 
 pytestmark = needs_espeak
@@ -31,10 +28,7 @@ OTHER = "please call me back tomorrow morning"
 
 @pytest.fixture(scope="module")
 def server():
-    frontend = FrontendConfig(
-        host="127.0.0.1", port=0, max_message_bytes=256 << 10, stream=StreamOptions(idle_timeout_s=3.0)
-    )
-    with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=MAX_SESSIONS, max_batch=4)) as srv:
+    with local_server(max_sessions=MAX_SESSIONS, max_message_bytes=256 << 10) as srv:
         yield srv
 
 
