@@ -352,8 +352,13 @@ class Captioner:
             try:
                 await self._stream(call)
             except grpc.aio.AioRpcError as err:
-                verb = "ended the stream" if err.code() == grpc.StatusCode.UNAVAILABLE else "refused the stream"
-                raise CaptionError(f"server {verb}: {one_line(err)}") from err
+                code, details = err.code(), err.details()
+                if code == grpc.StatusCode.INTERNAL:
+                    # A write racing the server's abort can surface as INTERNAL ("Internal error from Core");
+                    # the call itself still holds the status the server sent.
+                    code, details = await call.code(), await call.details()
+                verb = "ended the stream" if code == grpc.StatusCode.UNAVAILABLE else "refused the stream"
+                raise CaptionError(f"server {verb}: {code.name}: {' '.join(details.split())}") from err
         if self.source.overflows:
             self.display.status(f"warning: {self.source.overflows} input overflows (audio was dropped)")
 
@@ -389,6 +394,9 @@ class Captioner:
         sent = 0
         try:
             await call.write(pb.StreamingRecognizeRequest(config=config))
+            # The server sends its initial metadata once it has accepted the config; waiting for it keeps
+            # audio writes from racing a refusal, whose status then arrives intact.
+            await call.initial_metadata()
             async with contextlib.aclosing(self.source.blocks()) as blocks:
                 async for block in blocks:
                     await call.write(pb.StreamingRecognizeRequest(audio=block))

@@ -257,6 +257,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             extra={"session_id": stream.session_id},
         )
         self.engine.open(stream.key, config.priority, stream)
+        # The config is accepted: say so at once (clients may wait for this before sending audio).
+        await context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
         stream.reader = asyncio.create_task(stream.read(requests))
         outcome = "ok"
         try:
