@@ -1,14 +1,18 @@
 """A frontend's end of the engine channel, on the frontend's asyncio loop.
 
 Sessions call ``open``/``send_frames``/``reset``/``close``; everything called during one event-loop
-iteration goes to the engine as one message (the flush is scheduled with ``call_soon``). Messages from the
-engine are read when the socket is readable and dispatched to the sessions by key.
+iteration goes to the engine as one message (the flush is scheduled with ``call_soon``). A sender thread
+writes the messages: while the engine is in a long step its socket buffer can fill, and a blocking send on
+the event loop would stall every stream of this frontend. Messages from the engine are read when the
+socket is readable and dispatched to the sessions by key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from multiprocessing.connection import Client, Connection
 from typing import Protocol
@@ -42,6 +46,8 @@ class EngineClient:
         self._next_key = 0
         self._pending = ipc.ToEngine()
         self._flush_scheduled = False
+        self._outgoing: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         self.connected = False
 
     async def connect(self, timeout_s: float = 120.0) -> dict:
@@ -51,6 +57,10 @@ class EngineClient:
             self._loop.run_in_executor(None, self._connect_blocking), timeout=timeout_s
         )
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._sender = threading.Thread(
+            target=self._send_loop, args=(self._conn,), daemon=True, name="engine-send"
+        )
+        self._sender.start()
         self.connected = True
         return self.info
 
@@ -70,6 +80,10 @@ class EngineClient:
         return conn
 
     def close_connection(self) -> None:
+        if self._sender is not None:
+            self._outgoing.put(None)
+            self._sender.join(timeout=2.0)
+            self._sender = None
         if self._conn is not None:
             if self._loop is not None:
                 self._loop.remove_reader(self._conn.fileno())
@@ -117,11 +131,17 @@ class EngineClient:
         if not self._pending or self._conn is None:
             return
         message, self._pending = self._pending.pack(), ipc.ToEngine()
-        try:
-            self._conn.send(message)
-        except OSError:
-            log.exception("engine connection lost while sending")
-            self._lost()
+        self._outgoing.put(message)
+
+    def _send_loop(self, conn: Connection) -> None:
+        """The sender thread: messages in order; a failed send hands the loss to the event loop."""
+        while (message := self._outgoing.get()) is not None:
+            try:
+                conn.send(message)
+            except OSError:
+                log.exception("engine connection lost while sending")
+                self._loop.call_soon_threadsafe(self._lost)
+                return
 
     def _on_readable(self) -> None:
         try:
