@@ -266,10 +266,13 @@ async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats
             while next_chunk[i] < len(stream.chunks) and next_chunk[i] * period <= due:
                 stream.queue.put_nowait(next_chunk[i])
                 next_chunk[i] += 1
+                if next_chunk[i] == len(stream.chunks):
+                    stream.queue.put_nowait(None)  # half-close right after the last chunk
         tick += 1
         await asyncio.sleep(max(0.0, start + tick * period / 2 - time.monotonic()))
-    for stream in realtime:
-        stream.queue.put_nowait(None)
+    for n, stream in zip(next_chunk, realtime, strict=True):
+        if n < len(stream.chunks):
+            stream.queue.put_nowait(None)  # the deadline passed first
     await asyncio.wait(tasks, timeout=max(5.0, deadline - time.monotonic()))
     for channel in channels:
         await channel.close()
