@@ -16,7 +16,7 @@ test: install-dev system-deps
 	$(PY) -m pytest -q $(ARGS)
 
 lint: install-dev
-	$(VENV)/bin/ruff check cosystream tests benchmarks clients scripts
+	$(VENV)/bin/ruff check cosystream tests benchmarks clients scripts training
 	$(PY) scripts/gen_protos.py --check
 
 protos: install-dev

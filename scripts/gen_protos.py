@@ -1,7 +1,7 @@
 """Generate the Python API from proto/ into cosystream/v1/ with the pinned grpcio-tools.
 
-    python scripts/gen_protos.py           # regenerate
-    python scripts/gen_protos.py --check   # fail if the committed code differs from what would be generated
+python scripts/gen_protos.py           # regenerate
+python scripts/gen_protos.py --check   # fail if the committed code differs from what would be generated
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ def main() -> int:
         generate(Path(tmp))
         fresh = Path(tmp) / PACKAGE_DIR
         if args.check:
-            stale = [name for name in GENERATED if not filecmp.cmp(fresh / name, ROOT / PACKAGE_DIR / name, shallow=False)]
+            stale = [
+                name
+                for name in GENERATED
+                if not filecmp.cmp(fresh / name, ROOT / PACKAGE_DIR / name, shallow=False)
+            ]
             if stale:
                 print(f"generated code is out of date: {', '.join(stale)}; run: python scripts/gen_protos.py")
                 return 1
