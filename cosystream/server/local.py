@@ -17,26 +17,13 @@ from cosystream.server.frontend import Frontend, FrontendConfig
 
 
 class LocalServer:
-    def __init__(
-        self,
-        process_config: EngineProcessConfig | None = None,
-        frontend_config: FrontendConfig | None = None,
-        **engine_kwargs,
-    ):
+    def __init__(self, frontend_config: FrontendConfig | None = None, **engine_kwargs):
+        """``engine_kwargs`` are ``EngineProcessConfig`` fields (``engine=EngineConfig(...)``, ``model_path``...)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="cosystream-")
-        address = str(Path(self._tmp.name) / "engine.sock")
-        authkey = os.urandom(16)
-        if process_config is None:
-            engine_kwargs.setdefault("log_level", logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-            process_config = EngineProcessConfig(address=address, authkey=authkey, **engine_kwargs)
-        else:
-            process_config = EngineProcessConfig(
-                **{
-                    **{k: getattr(process_config, k) for k in process_config.__slots__},
-                    "address": address,
-                    "authkey": authkey,
-                }
-            )
+        engine_kwargs.setdefault("log_level", logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        process_config = EngineProcessConfig(
+            address=str(Path(self._tmp.name) / "engine.sock"), authkey=os.urandom(16), **engine_kwargs
+        )
         self.process_config = process_config
         self.frontend_config = frontend_config or FrontendConfig(host="127.0.0.1", port=0)
         self.engine_process = None
