@@ -24,6 +24,7 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.logs import configure as configure_logs
+from cosystream.models.contract import FRAME_SAMPLES
 from cosystream.runtime.runner import GraphMode
 
 log = logging.getLogger(__name__)
@@ -125,28 +126,27 @@ def warm_up(core: EngineCore) -> None:
     with torch.no_grad():
         for frames in runner.config.frame_buckets:
             for bucket in runner.batch_buckets:
-                pcm = torch.zeros((bucket, frames * 160))
+                pcm = torch.zeros((bucket, frames * FRAME_SAMPLES))
                 runner.run([scratch] * bucket, pcm)
     runner.slab.reset(scratch)
 
 
-def server_info(core: EngineCore, config: EngineProcessConfig) -> dict:
-    model = core.model
-    device = core.device
+def server_info(model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode) -> dict:
+    """What frontends tell clients in GetServerInfo (sent in the engine's HELLO)."""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model_name": model.config.name,
         "language": model.config.language,
         "vocabulary": list(model.vocabulary),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "max_sessions": config.engine.max_sessions,
-        "graph_mode": core.runner.config.graph_mode.value,
+        "max_sessions": max_sessions,
+        "graph_mode": graph_mode.value,
     }
 
 
 def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
     core = build_core(config)
-    info = server_info(core, config)
+    info = server_info(core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode)
     incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
     listener = Listener(config.address, family="AF_UNIX", authkey=config.authkey)
     threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()

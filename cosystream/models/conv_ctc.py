@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosystream.models.contract import CacheSpec
+from cosystream.models.contract import FRAME_SAMPLES, CacheSpec
 from cosystream.models.features import LogMel
 
-HOP_SAMPLES = 160
+HOP_SAMPLES = FRAME_SAMPLES
 SAMPLE_RATE_HZ = 16000
 
 

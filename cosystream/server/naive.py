@@ -13,8 +13,10 @@ import time
 import numpy as np
 import torch
 
+from cosystream.engine.process import server_info
 from cosystream.engine.scheduler import Priority
 from cosystream.models import load_model
+from cosystream.runtime.runner import GraphMode
 from cosystream.server.engine_client import SessionSink
 
 
@@ -25,15 +27,7 @@ class NaiveEngine:
         torch.set_num_threads(1)
         self.model = load_model(model_path)
         self.max_sessions = max_sessions
-        self.info = {
-            "device": "cpu",
-            "model_name": self.model.config.name,
-            "language": self.model.config.language,
-            "vocabulary": list(self.model.vocabulary),
-            "parameters": sum(p.numel() for p in self.model.parameters()),
-            "max_sessions": max_sessions,
-            "graph_mode": "eager",
-        }
+        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER)
         self.connected = False
         self._sinks: dict[int, SessionSink] = {}
         self._caches: dict[int, list[torch.Tensor]] = {}

@@ -21,14 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from cosystream.engine.scheduler import Priority
-from cosystream.server.audio import AudioEncoding, Decoder, Framer, Resampler
+from cosystream.server.audio import FRAME_MS, AudioEncoding, Decoder, Framer, Resampler
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.vad import Decision, Endpointer, EndpointingConfig, FrameRing, Vad
 from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-FRAME_MS = 10
 
 
 @dataclass(frozen=True, slots=True)
