@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from cosystream.evaluate import edit_distance, evaluate, load_set, normalize, telephone
+from cosystream.server.decoding import DecoderConfig
 
 POCKETSPHINX_SDIST = "pocketsphinx==5.1.1"
 
@@ -114,24 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--cache", default=".cache/accuracy", help="where fetched recordings are kept")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--decoders", default="greedy,beam", help="cosystream decoders to score, side by side")
     args = parser.parse_args(argv)
     sets = [Path(s) for s in args.sets]
     if args.real:
         sets.append(fetch_real_recordings(Path(args.cache)))
     if not sets:
         parser.error("give test sets and/or --real")
+    decoders = [DecoderConfig(kind) for kind in args.decoders.split(",")]
     rows = []
+    keys = ("wer", "cer", "real_time_factor", "decode_us_per_frame")
     for test_set in sets:
         for band in [False, True] if args.telephone else [False]:
-            ours = evaluate(args.model, test_set, band)
+            ours = {d.kind: evaluate(args.model, test_set, band, d) for d in decoders}
             theirs = pocketsphinx_scores(test_set, band)
+            first = next(iter(ours.values()))
             rows.append(
                 {
                     "set": test_set.name,
                     "band": "8k-mulaw" if band else "16k",
-                    "utterances": ours["utterances"],
-                    "audio_seconds": ours["audio_seconds"],
-                    "cosystream": {k: ours[k] for k in ("wer", "cer", "real_time_factor")},
+                    "utterances": first["utterances"],
+                    "audio_seconds": first["audio_seconds"],
+                    "cosystream": {kind: {k: r[k] for k in keys} for kind, r in ours.items()},
                     "pocketsphinx": theirs,
                 }
             )
@@ -139,15 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print(
-        f"\n{'set':<28} {'band':<9} {'utts':>5} {'cosy WER':>9} {'CER':>6} {'RTF':>6} {'psphinx WER':>12} {'CER':>6} {'RTF':>6}"
+        f"\n{'set':<28} {'band':<9} {'utts':>5} {'decoder':<12} {'WER':>7} {'CER':>6} {'RTF':>6} {'us/frame':>9}"
     )
     for row in rows:
-        ours, theirs = row["cosystream"], row["pocketsphinx"]
-        print(
-            f"{row['set']:<28} {row['band']:<9} {row['utterances']:>5} {ours['wer'] * 100:>8.1f}% {ours['cer'] * 100:>5.1f}%"
-            f" {ours['real_time_factor']:>6.3f} {theirs['wer'] * 100:>11.1f}% {theirs['cer'] * 100:>5.1f}%"
-            f" {theirs['real_time_factor']:>6.3f}"
-        )
+        lines = [(f"cosy {kind}", r) for kind, r in row["cosystream"].items()]
+        lines.append(("pocketsphinx", row["pocketsphinx"]))
+        for name, r in lines:
+            per_frame = f"{r['decode_us_per_frame']:>9.0f}" if "decode_us_per_frame" in r else f"{'-':>9}"
+            print(
+                f"{row['set']:<28} {row['band']:<9} {row['utterances']:>5} {name:<12} {r['wer'] * 100:>6.1f}%"
+                f" {r['cer'] * 100:>5.1f}% {r['real_time_factor']:>6.3f} {per_frame}"
+            )
     return 0
 
 

@@ -23,6 +23,38 @@ def default_frontends() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
+def add_decoder_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("decoding")
+    group.add_argument(
+        "--decoder",
+        choices=["auto", "greedy", "beam"],
+        default="auto",
+        help="auto: beam search when the model ships a language model (lm.arpa.gz) or --lm is given",
+    )
+    group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
+    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 12)")
+    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.5)")
+    group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default 1.0)")
+
+
+def decoder_config(args: argparse.Namespace):
+    """The decoder the arguments ask for, resolved against the model (ValueError if it cannot be had)."""
+    import dataclasses
+
+    from cosystream.server.beam import BeamConfig
+    from cosystream.server.decoding import DecoderConfig
+
+    overrides = {
+        name: value
+        for name, value in (("beam_size", args.beam_size), ("alpha", args.lm_weight), ("beta", args.word_bonus))
+        if value is not None
+    }
+    beam = dataclasses.replace(BeamConfig(), **overrides)
+    if beam.beam_size < 1:
+        raise ValueError("--beam-size must be >= 1")
+    return DecoderConfig(args.decoder, args.lm, beam).resolve(args.model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosystream", description="A real-time streaming speech engine.")
     parser.add_argument("--version", action="version", version=f"cosystream {__version__}")
@@ -63,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="baseline for benchmarks: one process, a model call per chunk, no batching",
     )
+    add_decoder_args(serve)
 
     transcribe = commands.add_parser("transcribe", help="transcribe a WAV file")
     transcribe.add_argument("file")
@@ -77,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--telephone", action="store_true", help="through an 8 kHz mu-law round trip first")
     evaluate.add_argument("--json", default=None, help="write the scores and every hypothesis here")
     evaluate.add_argument("--show", type=int, default=5, help="print this many reference/hypothesis pairs")
+    add_decoder_args(evaluate)
     return parser
 
 
@@ -120,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
             deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
         )
+        decoder = decoder_config(args)
     except ValueError as err:
         sys.exit(f"cosystream serve: {err}")
     process = EngineProcessConfig(
@@ -127,6 +162,7 @@ def serve(args: argparse.Namespace) -> int:
         authkey=os.urandom(16),
         engine=engine,
         model_path=args.model,
+        decoder=decoder,
         device=args.device,
         log_level=args.log_level.upper(),
         log_format=args.log_format,

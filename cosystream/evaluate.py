@@ -1,7 +1,8 @@
 """``cosystream eval``: word and character error rates and real-time factor of a model on a test set.
 
 Audio streams through the same ``Runner`` and state slab the server uses (16 frames a step, then single
-frames for the tail), decoded with the same greedy CTC decoder, without VAD: one hypothesis per file.
+frames for the tail), decoded with the same decoder the server would use (``--decoder``: beam search with
+the model's language model by default, or greedy), without VAD: one hypothesis per file.
 
 A test set is a directory of ``NAME.wav`` files, each with its transcript in ``NAME.txt``, or a JSONL
 manifest of ``{"audio": PATH, "text": TRANSCRIPT}`` lines (paths relative to the manifest).
@@ -26,7 +27,9 @@ from cosystream.models import FRAME_SAMPLES, load_model
 from cosystream.runtime.runner import Runner, RunnerConfig
 from cosystream.runtime.slab import StateSlab
 from cosystream.server.audio import MULAW_TO_INT16, encode_mulaw
+from cosystream.server.beam import BeamCtcDecoder
 from cosystream.server.ctc import CtcDecoder
+from cosystream.server.decoding import DecoderConfig, DecoderFactory
 from cosystream.transcribe import read_wav
 
 STEP_FRAMES = 16
@@ -92,36 +95,45 @@ def telephone(audio: np.ndarray) -> np.ndarray:
     return soxr.resample(decoded, 8000, 16000).astype(np.float32)
 
 
-def recognize(runner: Runner, decoder: CtcDecoder, audio: np.ndarray) -> str:
+def recognize(runner: Runner, decoder: CtcDecoder | BeamCtcDecoder, audio: np.ndarray) -> tuple[str, float]:
+    """The hypothesis for ``audio`` and the seconds spent in the decoder."""
     slot = runner.slab.alloc()
     try:
         decoder.reset()
         frames = len(audio) // FRAME_SAMPLES
         done = 0
+        decode_s = 0.0
         while done < frames:
             step = STEP_FRAMES if frames - done >= STEP_FRAMES else 1
             chunk = audio[done * FRAME_SAMPLES : (done + step) * FRAME_SAMPLES]
             result = runner.run([slot], chunk[None])
+            started = time.perf_counter()
             decoder.push(result.ids[0], result.logprobs[0], done)
+            decode_s += time.perf_counter() - started
             done += step
-        return decoder.text
+        started = time.perf_counter()
+        decoder.finalize()
+        return decoder.text, decode_s + time.perf_counter() - started
     finally:
         runner.slab.free(slot)
 
 
-def evaluate(model_path: str | None, test_set: Path, telephone_band: bool = False) -> dict:
+def evaluate(
+    model_path: str | None, test_set: Path, telephone_band: bool = False, decoding: DecoderConfig | None = None
+) -> dict:
     torch.set_num_threads(1)
     model = load_model(model_path)
-    runner = Runner(
-        model, StateSlab(model.cache_specs(), 1), RunnerConfig(max_batch=1, frame_buckets=(1, STEP_FRAMES))
-    )
-    decoder = CtcDecoder(model.vocabulary)
-    scored, audio_s, compute_s = [], 0.0, 0.0
+    decoding = (decoding or DecoderConfig()).resolve(model_path)
+    config = RunnerConfig(max_batch=1, frame_buckets=(1, STEP_FRAMES), top_k=decoding.top_k)
+    runner = Runner(model, StateSlab(model.cache_specs(), 1), config)
+    decoder = DecoderFactory(decoding, model.vocabulary)()
+    scored, audio_s, compute_s, decode_s = [], 0.0, 0.0, 0.0
     for utterance in load_set(test_set):
         audio = telephone(utterance.audio) if telephone_band else utterance.audio
         started = time.perf_counter()
-        hypothesis = recognize(runner, decoder, audio)
+        hypothesis, decoding_s = recognize(runner, decoder, audio)
         compute_s += time.perf_counter() - started
+        decode_s += decoding_s
         audio_s += len(audio) / 16000
         reference = normalize(utterance.reference)
         scored.append(
@@ -140,18 +152,23 @@ def evaluate(model_path: str | None, test_set: Path, telephone_band: bool = Fals
     return {
         "test_set": str(test_set),
         "telephone": telephone_band,
+        "decoder": decoding.kind,
         "utterances": len(scored),
         "audio_seconds": audio_s,
         "wer": sum(s.word_errors for s in scored) / max(1, words),
         "cer": sum(s.char_errors for s in scored) / max(1, chars),
         "real_time_factor": compute_s / max(audio_s, 1e-9),
+        # Decoder time per 10 ms frame (the rest of the real-time factor is the model).
+        "decode_us_per_frame": decode_s / max(audio_s * 100, 1e-9) * 1e6,
         "examples": [{"name": s.name, "reference": s.reference, "hypothesis": s.hypothesis} for s in scored],
     }
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    from cosystream.cli import decoder_config
+
     try:
-        result = evaluate(args.model, Path(args.test_set), args.telephone)
+        result = evaluate(args.model, Path(args.test_set), args.telephone, decoder_config(args))
     except (OSError, ValueError, KeyError) as err:
         print(f"cosystream eval: {err}", file=sys.stderr)
         return 1
@@ -161,7 +178,8 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"{example['name']}\n  ref: {example['reference']}\n  hyp: {example['hypothesis']}")
     band = "8 kHz mu-law" if result["telephone"] else "16 kHz"
     print(
-        f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s ({band}): "
+        f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s ({band}, {result['decoder']}): "
         f"WER {result['wer'] * 100:.1f}%  CER {result['cer'] * 100:.1f}%  RTF {result['real_time_factor']:.3f}"
+        f"  (decoder {result['decode_us_per_frame']:.0f} us/frame)"
     )
     return 0

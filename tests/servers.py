@@ -13,8 +13,9 @@ from cosystream.server.servicer import StreamOptions
 
 @contextmanager
 def local_server(
-    max_sessions: int = 8, max_message_bytes: int = 16 << 20, idle_timeout_s: float = 3.0
+    max_sessions: int = 8, max_message_bytes: int = 16 << 20, idle_timeout_s: float = 3.0, **process_kwargs
 ) -> Iterator[LocalServer]:
+    """``process_kwargs``: more ``EngineProcessConfig`` fields (``decoder=DecoderConfig(...)``...)."""
     frontend = FrontendConfig(
         host="127.0.0.1",
         port=0,
@@ -22,5 +23,5 @@ def local_server(
         stream=StreamOptions(idle_timeout_s=idle_timeout_s),
     )
     engine = EngineConfig(max_sessions=max_sessions, max_batch=max_sessions)
-    with LocalServer(frontend_config=frontend, engine=engine) as server:
+    with LocalServer(frontend_config=frontend, engine=engine, **process_kwargs) as server:
         yield server

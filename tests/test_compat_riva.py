@@ -57,7 +57,7 @@ def chunks(data: bytes, chunk_bytes: int = 3200):
 
 def check_riva_contract(responses, interim_results: bool) -> list:
     """Assert what a Riva client relies on; return the finals in order."""
-    finals, last_processed_s, partial = [], 0.0, ""
+    finals, last_processed_s, partial, stable = [], 0.0, "", True
     for response in responses:
         assert len(response.results) == 1
         result = response.results[0]
@@ -65,12 +65,16 @@ def check_riva_contract(responses, interim_results: bool) -> list:
         assert result.audio_processed >= last_processed_s, "audio_processed never goes back"
         last_processed_s = result.audio_processed
         transcript = result.alternatives[0].transcript
-        assert transcript.startswith(partial)
+        # Greedy interims (stability 1) only grow; beam-search interims (0.5) may revise words.
+        stable = stable and (result.is_final or result.stability == 1.0)
+        if stable:
+            assert transcript.startswith(partial)
         if result.is_final:
             finals.append(result)
-            partial = ""
+            partial, stable = "", True
         else:
             assert interim_results, "no partials unless asked"
+            assert result.stability in (0.5, 1.0)
             partial = transcript
     return finals
 

@@ -12,10 +12,11 @@ from cosystream.runtime.slab import SlabFullError, StateSlab
 from tests.conftest import speech_like
 
 
-def make_runner(model, max_sessions=8, direct=True, device="cpu", graphs=False, max_batch=8) -> Runner:
+def make_runner(model, max_sessions=8, direct=True, device="cpu", graphs=False, max_batch=8, top_k=1) -> Runner:
     slab = StateSlab(model.cache_specs(), max_sessions, device=device)
     mode = GraphMode.GRAPHS if graphs else GraphMode.EAGER
-    return Runner(model, slab, RunnerConfig(max_batch=max_batch, graph_mode=mode, direct_state=direct))
+    config = RunnerConfig(max_batch=max_batch, graph_mode=mode, direct_state=direct, top_k=top_k)
+    return Runner(model, slab, config)
 
 
 # --- slab -----------------------------------------------------------------------------------------------
@@ -94,18 +95,21 @@ def run_interleaved(model, runner: Runner, seed: int) -> list[Session]:
         rng.shuffle(batch)
         chunk = np.stack([s.take(frames_per_step) for s in batch])
         out = runner.run([s.slot for s in batch], chunk, return_logits=True)
-        assert out.ids.shape == out.logprobs.shape == (len(batch), frames_per_step)
+        k = runner.config.top_k
+        assert out.ids.shape == out.logprobs.shape == (len(batch), frames_per_step, k)
         for row, s in enumerate(batch):
             s.logits.append(out.logits[row])
-            best = torch.log_softmax(out.logits[row], -1).max(-1)
+            best = torch.log_softmax(out.logits[row], -1).topk(k, dim=-1)
             np.testing.assert_array_equal(out.ids[row], best.indices.numpy())
             np.testing.assert_allclose(out.logprobs[row], best.values.numpy(), rtol=1e-5, atol=1e-5)
     return sessions
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gather-scatter"])
-def test_interleaved_sessions_equal_their_solo_runs(model, direct):
-    runner = make_runner(model, direct=direct)
+@pytest.mark.parametrize(
+    ("direct", "top_k"), [(True, 1), (False, 1), (True, 6)], ids=["direct", "gather-scatter", "top6"]
+)
+def test_interleaved_sessions_equal_their_solo_runs(model, direct, top_k):
+    runner = make_runner(model, direct=direct, top_k=top_k)
     for s in run_interleaved(model, runner, seed=7):
         streamed = torch.cat(s.logits)
         offline = s.offline(model)

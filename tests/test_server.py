@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cosystream.server.decoding import DecoderConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import local_server
@@ -66,7 +67,7 @@ def check_event_contract(responses) -> list[pb.StreamingResult]:
     state, index, finals = "idle", 0, []
     session_ids = {r.session_id for r in responses}
     assert len(session_ids) <= 1 and "" not in session_ids
-    last_interim = ""
+    last_interim, stable = "", True
     for response in responses:
         assert response.HasField("latency")
         if response.HasField("speech_event"):
@@ -81,12 +82,18 @@ def check_event_contract(responses) -> list[pb.StreamingResult]:
             assert result.utterance_index == index
             if result.is_final:
                 assert state == "ended", f"final while {state}"
-                assert result.transcript.startswith(last_interim)
+                assert result.stability == 1.0
+                if stable:
+                    assert result.transcript.startswith(last_interim)
                 finals.append(result)
-                state, index = "idle", index + 1
+                state, index, stable = "idle", index + 1, True
             else:
                 assert state == "speaking", f"interim while {state}"
-                assert result.transcript.startswith(last_interim), "an interim must extend the previous one"
+                assert result.stability in (0.5, 1.0)
+                # Greedy interims (stability 1) only grow; beam-search interims (0.5) may revise words.
+                stable = stable and result.stability == 1.0
+                if stable:
+                    assert result.transcript.startswith(last_interim), "an interim must extend the previous one"
                 assert result.transcript != last_interim, "interims only when the text changes"
                 last_interim = result.transcript
     assert state == "idle", f"stream ended while {state}"
@@ -116,6 +123,21 @@ def test_partials_then_final(stub):
     assert final.stability == 1.0 and 0.0 <= final.confidence <= 1.0
     assert [w.word for w in final.words] == final.transcript.split()
     assert all(w.start_ms < w.end_ms for w in final.words)
+    # The embedded model ships a language model, so the server runs beam search: interims may be revised.
+    assert {res.stability for res in interims} == {0.5}
+
+
+def test_greedy_decoding_interims_only_grow():
+    data = encode(np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)]), "LINEAR16")
+    with local_server(max_sessions=2, decoder=DecoderConfig("greedy")) as srv:
+        channel = grpc.insecure_channel(srv.address)
+        responses = run_stream(pb_grpc.CosyStreamStub(channel), config(interim_results=True), data)
+        channel.close()
+    finals = check_event_contract(responses)  # stability 1: each interim extends the one before
+    interims = [res for r in responses for res in r.results if not res.is_final]
+    assert len(finals) == 1 and len(interims) >= 2
+    assert {res.stability for res in interims} == {1.0}
+    assert finals[0].transcript.startswith(interims[-1].transcript)
 
 
 def test_two_utterances_split_by_a_pause(stub):

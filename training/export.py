@@ -4,14 +4,16 @@
 
 Writes ``config.json``, ``vocabulary.json`` and ``model.safetensors`` (float32) through
 ``cosystream.models.save_model``, checks that ``load_model`` reads back identical outputs, and (unless
-``--no-eval``) writes ``eval.json`` and ``eval.md`` beside them: greedy WER/CER per voice group, at 16 kHz
-and after an 8 kHz mu-law round trip, on all held-out sentences.
+``--no-eval``) writes ``eval.json`` and ``eval.md`` beside them: WER/CER per voice group, at 16 kHz and after
+an 8 kHz mu-law round trip, on all held-out sentences, with greedy decoding and with beam search against
+the language model ``--lm`` (default: the one shipped beside the default model), copied into the export.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -65,20 +67,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lm", type=Path, default=Path("cosystream/models/default/lm.arpa.gz"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     model, ck = model_from_checkpoint(args.checkpoint)
     export(model, args.out)
+    if args.lm.is_file() and args.lm.resolve() != (args.out / "lm.arpa.gz").resolve():
+        shutil.copyfile(args.lm, args.out / "lm.arpa.gz")
     print(f"exported step {ck['step']} ({ck['audio_seen'] / 3600:.1f} h of audio seen) to {args.out}")
     if args.no_eval:
         return
+    from cosystream.server.decoding import DecoderConfig, DecoderFactory
     from training.train import HELD_OUT, evaluate, load_eval
 
-    results = evaluate(load_model(args.out), load_eval(args.corpus), torch.device("cpu"), examples=5)
-    mean = lambda key, cond: sum(results[g + cond][key] for g in HELD_OUT) / len(HELD_OUT)  # noqa: E731
-    results["held_out_mean@8k-mulaw"] = {"wer": mean("wer", "@8k-mulaw"), "cer": mean("cer", "@8k-mulaw")}
-    results["held_out_mean"] = {"wer": mean("wer", ""), "cer": mean("cer", "")}
+    loaded, groups = load_model(args.out), load_eval(args.corpus)
+    tables = {"greedy": evaluate(loaded, groups, torch.device("cpu"), examples=5)}
+    if (args.out / "lm.arpa.gz").is_file():
+        decoders = DecoderFactory(DecoderConfig("beam").resolve(str(args.out)), loaded.vocabulary)
+        tables["beam"] = evaluate(loaded, groups, torch.device("cpu"), examples=5, decoders=decoders)
+    for results in tables.values():
+        mean = lambda key, cond, r=results: sum(r[g + cond][key] for g in HELD_OUT) / len(HELD_OUT)  # noqa: E731
+        results["held_out_mean@8k-mulaw"] = {"wer": mean("wer", "@8k-mulaw"), "cer": mean("cer", "@8k-mulaw")}
+        results["held_out_mean"] = {"wer": mean("wer", ""), "cer": mean("cer", "")}
     meta = {
         "checkpoint": str(args.checkpoint),
         "step": ck["step"],
@@ -86,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         "train_seconds": ck["train_seconds"],
         "flops_per_frame": load_model(args.out).flops_per_frame(),
     }
-    (args.out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    table = markdown(results)
+    (args.out / "eval.json").write_text(json.dumps({"meta": meta, "results": tables}, indent=1) + "\n")
+    table = "\n".join(f"{name}:\n\n{markdown(results)}" for name, results in tables.items())
     (args.out / "eval.md").write_text(table)
     print(table)
 

@@ -138,8 +138,12 @@ def evaluate(
     telephone_too: bool = True,
     batch_seconds: float = 120.0,
     examples: int = 0,
+    decoders=None,
 ) -> dict:
-    """Greedy WER/CER per group (``<group>`` at 16 kHz, ``<group>@8k-mulaw`` after a phone round trip)."""
+    """WER/CER per group (``<group>`` at 16 kHz, ``<group>@8k-mulaw`` after a phone round trip).
+
+    Greedy decoding, or ``decoders()`` (a ``cosystream.server.decoding.DecoderFactory``) fed the top-k
+    log-probabilities of each frame, as the server does."""
     model.eval()
     results = {}
     conditions = [("", None)] + ([("@8k-mulaw", "mulaw")] if telephone_too else [])
@@ -163,7 +167,15 @@ def evaluate(
                     batch[row, : pcms[k].size] = torch.from_numpy(pcms[k])
                 logits = model(batch.to(device)).cpu()
                 for row, k in enumerate(idx):
-                    hyps[k] = greedy_decode(logits[row], pcms[k].size // HOP, model.vocabulary)
+                    frames = pcms[k].size // HOP
+                    if decoders is None:
+                        hyps[k] = greedy_decode(logits[row], frames, model.vocabulary)
+                        continue
+                    best = torch.log_softmax(logits[row, :frames].float(), -1).topk(decoders.config.top_k, -1)
+                    decoder = decoders()
+                    decoder.push(best.indices.numpy(), best.values.numpy(), 0)
+                    decoder.finalize()
+                    hyps[k] = decoder.text
                 i = j
             words = chars = werr = cerr = 0
             for k, ref in enumerate(texts):

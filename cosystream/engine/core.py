@@ -35,6 +35,7 @@ class EngineConfig:
     realtime_batch_window_s: float = 0.004
     batch_max_duty: float | None = None  # None: 0.5 on a CPU, where frontends share the cores; 1 on CUDA
     graph_mode: GraphMode = GraphMode.EAGER
+    top_k: int = 1  # token candidates per frame sent to frontends (beam search wants several)
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.max_batch < 1:
@@ -60,7 +61,10 @@ class EngineCore:
             model,
             self.slab,
             RunnerConfig(
-                max_batch=config.max_batch, frame_buckets=config.frame_buckets, graph_mode=config.graph_mode
+                max_batch=config.max_batch,
+                frame_buckets=config.frame_buckets,
+                graph_mode=config.graph_mode,
+                top_k=config.top_k,
             ),
         )
         self.scheduler = Scheduler(

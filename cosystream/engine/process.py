@@ -26,6 +26,7 @@ from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES
 from cosystream.runtime.runner import GraphMode
+from cosystream.server.decoding import DecoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EngineProcessConfig:
     authkey: bytes
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_path: str | None = None
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cpu_threads: int = 1
     log_level: str = "INFO"
@@ -104,6 +106,7 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     if device.type != "cuda" and engine_config.graph_mode is GraphMode.GRAPHS:
         log.info("no CUDA device: running eager")
         engine_config = dataclasses.replace(engine_config, graph_mode=GraphMode.EAGER)
+    engine_config = dataclasses.replace(engine_config, top_k=config.decoder.top_k)
     started = time.perf_counter()
     model = load_model(config.model_path, device=device)
     core = EngineCore(model, engine_config, device, EngineMetrics())
@@ -131,8 +134,10 @@ def warm_up(core: EngineCore) -> None:
     runner.slab.reset(scratch)
 
 
-def server_info(model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode) -> dict:
-    """What frontends tell clients in GetServerInfo (sent in the engine's HELLO)."""
+def server_info(
+    model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode, decoder: DecoderConfig
+) -> dict:
+    """What frontends tell clients in GetServerInfo, and the decoder they run (sent in the engine's HELLO)."""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model_name": model.config.name,
@@ -141,12 +146,16 @@ def server_info(model: torch.nn.Module, device: torch.device, max_sessions: int,
         "parameters": sum(p.numel() for p in model.parameters()),
         "max_sessions": max_sessions,
         "graph_mode": graph_mode.value,
+        "decoder": decoder.to_dict(),
     }
 
 
 def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
+    config = dataclasses.replace(config, decoder=config.decoder.resolve(config.model_path))
     core = build_core(config)
-    info = server_info(core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode)
+    info = server_info(
+        core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode, config.decoder
+    )
     incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
     listener = Listener(config.address, family="AF_UNIX", authkey=config.authkey)
     threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()

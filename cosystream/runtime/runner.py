@@ -48,10 +48,14 @@ class RunnerConfig:
     graph_mode: GraphMode = GraphMode.EAGER
     # Use the model's in-place ``step_slots`` when it has one; False forces gather -> step -> scatter.
     direct_state: bool = True
+    # Token candidates returned per frame: 1 for greedy decoding, more for beam search.
+    top_k: int = 1
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.top_k < 1:
+            raise ValueError("top_k must be >= 1")
         if not self.frame_buckets or any(t < 1 for t in self.frame_buckets):
             raise ValueError("frame_buckets must be positive frame counts")
         if tuple(sorted(set(self.frame_buckets))) != self.frame_buckets:
@@ -60,7 +64,8 @@ class RunnerConfig:
 
 @dataclass(slots=True)
 class StepResult:
-    """Per real row and frame: the argmax token id and its log-probability (host arrays, ``[n, T]``)."""
+    """Per real row and frame, the ``top_k`` most likely token ids and their log-probabilities, best first
+    (host arrays, ``[n, T, top_k]``)."""
 
     ids: np.ndarray
     logprobs: np.ndarray
@@ -82,8 +87,10 @@ class Runner:
             t: torch.zeros((max_rows, t * FRAME_SAMPLES), dtype=dtype, device=self.device)
             for t in config.frame_buckets
         }
+        self._top_k = min(config.top_k, len(model.vocabulary))
         self._out = {
-            t: torch.zeros((max_rows, t, 2), dtype=torch.float32, device=self.device) for t in config.frame_buckets
+            t: torch.zeros((max_rows, t, self._top_k, 2), dtype=torch.float32, device=self.device)
+            for t in config.frame_buckets
         }
         pin = self.device.type == "cuda"
         self._host_slots = torch.zeros((max_rows,), dtype=torch.long, pin_memory=pin)
@@ -145,7 +152,10 @@ class Runner:
             for tensor, cache in zip(self.slab.tensors, caches, strict=True):
                 tensor.index_copy_(0, slots, cache)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        best, ids = logprobs.max(dim=-1)
+        if self._top_k == 1:
+            best, ids = logprobs.max(dim=-1, keepdim=True)
+        else:
+            best, ids = logprobs.topk(self._top_k, dim=-1)
         out = self._out[frames_per_step][:bucket]
         out[..., 0].copy_(ids)
         out[..., 1].copy_(best)

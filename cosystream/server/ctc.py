@@ -1,6 +1,7 @@
 """Incremental greedy CTC decoding of the model's per-frame token ids into words.
 
-The engine returns, per forwarded frame, the argmax token id and its log-probability.
+The engine returns, per forwarded frame, the most likely token ids and their log-probabilities, best
+first; greedy decoding reads only the best.
 Greedy CTC collapses repeated ids, then drops blanks (so "a a" is one "a" but
 "a <blank> a" is two). Each push costs O(frames pushed): the transcript and word list
 grow incrementally and nothing already decoded is revisited.
@@ -38,6 +39,9 @@ class CtcDecoder:
     its first emitted token to one past the frame of its last, and its confidence is
     ``exp(mean log-probability)`` of its emitted tokens (word separators and blanks excluded).
     """
+
+    # Greedy output only grows: an interim transcript is a prefix of every later one.
+    stable_interims = True
 
     __slots__ = (
         "_blank_id",
@@ -85,12 +89,16 @@ class CtcDecoder:
     def push(self, ids: np.ndarray, logprobs: np.ndarray, first_frame: int) -> bool:
         """Add per-frame argmax ``ids`` and their ``logprobs`` for frames starting at ``first_frame``.
 
+        ``[frames]`` arrays, or ``[frames, K]`` candidates best first (only the first column is read).
+
         Frames must arrive in order; if ``first_frame`` is not the frame after the last one
         pushed (a gap), the previous id does not merge with the first new one.
         Returns True if the transcript changed.
         """
         ids = np.asarray(ids)
         logprobs = np.asarray(logprobs)
+        if ids.ndim == 2 and logprobs.shape == ids.shape:
+            ids, logprobs = ids[:, 0], logprobs[:, 0]
         n = len(ids)
         if ids.ndim != 1 or logprobs.shape != ids.shape:
             raise ValueError(f"ids {ids.shape} and logprobs {logprobs.shape} must be equal-length 1-D")
@@ -165,6 +173,9 @@ class CtcDecoder:
             self._cur_end,
             math.exp(self._cur_logprob / count),
         )
+
+    def finalize(self) -> None:
+        """The utterance has ended (greedy output needs no rescoring)."""
 
     @property
     def text(self) -> str:

@@ -17,17 +17,20 @@ from cosystream.engine.process import server_info
 from cosystream.engine.scheduler import Priority
 from cosystream.models import load_model
 from cosystream.runtime.runner import GraphMode
+from cosystream.server.decoding import DecoderConfig
 from cosystream.server.engine_client import SessionSink
 
 
 class NaiveEngine:
     """Implements the EngineClient calls the servicer and sessions use, stepping the model inline."""
 
-    def __init__(self, model_path: str | None, max_sessions: int):
+    def __init__(self, model_path: str | None, max_sessions: int, decoder: DecoderConfig | None = None):
         torch.set_num_threads(1)
         self.model = load_model(model_path)
         self.max_sessions = max_sessions
-        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER)
+        decoder = (decoder or DecoderConfig()).resolve(model_path)
+        self.top_k = min(decoder.top_k, len(self.model.vocabulary))
+        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, decoder)
         self.connected = False
         self._sinks: dict[int, SessionSink] = {}
         self._caches: dict[int, list[torch.Tensor]] = {}
@@ -65,7 +68,7 @@ class NaiveEngine:
         started = time.perf_counter()
         with torch.inference_mode():
             logits, self._caches[key] = self.model.step(torch.from_numpy(frames.reshape(1, -1)), self._caches[key])
-            best, ids = torch.log_softmax(logits[0], -1).max(-1)
+            best, ids = torch.log_softmax(logits[0], -1).topk(self.top_k, dim=-1)
         compute_s = time.perf_counter() - started
         self._loop.call_soon(sink.on_results, ids.numpy(), best.numpy(), 0.0, compute_s)
 

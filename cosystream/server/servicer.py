@@ -20,6 +20,7 @@ from cosystream import __version__
 from cosystream.engine.scheduler import Priority
 from cosystream.metrics import FrontendMetrics
 from cosystream.server.audio import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
+from cosystream.server.decoding import DecoderConfig, DecoderFactory
 from cosystream.server.engine_client import EngineClient
 from cosystream.server.session import Session, SessionConfig
 from cosystream.server.vad import EndpointingConfig
@@ -105,7 +106,7 @@ class _Stream:
             self.key,
             self.session_id,
             config,
-            list(servicer.info["vocabulary"]),
+            servicer.decoders(),
             self.engine,
             self.responses.put_nowait,
             max_in_flight_frames=servicer.options.max_in_flight_frames,
@@ -216,6 +217,10 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.options = options
         self.metrics = metrics or FrontendMetrics()
         self.info = engine.info
+        decoder = self.info.get("decoder")
+        self.decoders = DecoderFactory(
+            DecoderConfig.from_dict(decoder) if decoder else DecoderConfig("greedy"), self.info["vocabulary"]
+        )
         self.draining = False
         self._streams: set[_Stream] = set()
 

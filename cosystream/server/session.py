@@ -22,6 +22,7 @@ import numpy as np
 
 from cosystream.engine.scheduler import Priority
 from cosystream.server.audio import FRAME_MS, AudioEncoding, Decoder, Framer, Resampler
+from cosystream.server.beam import BeamCtcDecoder
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.vad import Decision, Endpointer, EndpointingConfig, FrameRing, Vad
 from cosystream.v1 import cosystream_pb2 as pb
@@ -87,7 +88,7 @@ class Session:
         key: int,
         session_id: str,
         config: SessionConfig,
-        vocabulary: list[str],
+        decoder: CtcDecoder | BeamCtcDecoder,
         engine: EngineLink,
         emit: Callable[[pb.StreamingRecognizeResponse], None],
         max_in_flight_frames: int = 128,
@@ -111,7 +112,7 @@ class Session:
         self._endpointer = Endpointer(config.endpointing)
         self._ring = FrameRing(max(1, self._endpointer.max_forward_frames))
         self._interim_backlog_frames = self._endpointer.max_forward_frames + 5
-        self._ctc = CtcDecoder(vocabulary, FRAME_MS)
+        self._ctc = decoder
         self._actions: deque[tuple] = deque()
         self._queued_frames = 0  # frames in _actions, not yet sent
         self._utterance: _Utterance | None = None
@@ -267,8 +268,8 @@ class Session:
         result = pb.StreamingResult(
             transcript=text,
             is_final=is_final,
-            # Greedy CTC output only grows: an interim transcript is a prefix of every later one.
-            stability=1.0,
+            # Greedy output only grows; a beam search's best hypothesis may still change.
+            stability=1.0 if is_final or self._ctc.stable_interims else 0.5,
             start_ms=utterance.start_frame * FRAME_MS,
             end_ms=end_ms,
             utterance_index=utterance.index,
@@ -291,6 +292,7 @@ class Session:
                 self.on_first_result(self.clock() - utterance.started_s)
 
     def _final(self, utterance: _Utterance) -> None:
+        self._ctc.finalize()
         self._result(utterance, is_final=True)
         self._ctc.reset()
         self._arrivals.clear()

@@ -82,7 +82,7 @@ class Supervisor:
         """One process, the model called per chunk as it arrives: the benchmarks' baseline."""
         from cosystream.server.naive import NaiveEngine
 
-        engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions)
+        engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions, self.process.decoder)
         frontend = Frontend(self.frontend_config, "", b"", engine=engine)
         port = await frontend.start()
         if self.metrics_port:

@@ -1,0 +1,303 @@
+"""Streaming CTC prefix beam search over a word lexicon, scored with a word n-gram language model.
+
+Each frame extends the ``beam_size`` best prefixes (Hannun et al., 2014) by the tokens within
+``token_prune`` nats of the frame's best; a word may only be spelled along the lexicon trie, and when it
+completes (a space is emitted, or the utterance ends) the prefix gains ``alpha * ln P_lm(word | history) +
+beta``. Frames whose blank probability is at least ``blank_skip`` only carry every prefix over. The cost is
+O(beam_size * tokens tried) Python operations per non-blank frame, measured by ``benchmarks/decoding.py``.
+
+It has the greedy :class:`~cosystream.server.ctc.CtcDecoder`'s interface, except that :meth:`push` takes
+the full log-probability matrix ``[frames, vocabulary]`` rather than argmax ids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cosystream.server.ctc import Word
+from cosystream.server.lm import NgramLm
+
+_NEG = -1e30
+
+
+def _lse(a: float, b: float) -> float:
+    if a < b:
+        a, b = b, a
+    if b <= _NEG:
+        return a
+    return a + math.log1p(math.exp(b - a))
+
+
+@dataclass(slots=True, frozen=True)
+class BeamConfig:
+    beam_size: int = 12
+    alpha: float = 0.5  # language model weight
+    beta: float = 1.0  # bonus per word, in nats
+    token_prune: float = 8.0  # try tokens within this many nats of the frame's best
+    blank_skip: float = 0.999  # frames with P(blank) >= this only carry prefixes over
+    max_tokens: int = 6  # at most this many tokens tried per frame
+
+
+class Lexicon:
+    """A character trie of the words the beam search may spell. Node: ``[children, word, lookahead]``."""
+
+    def __init__(self, words, vocabulary: list[str], lm: NgramLm | None = None) -> None:
+        self.ids = {ch: i for i, ch in enumerate(vocabulary) if i > 0 and ch != " "}
+        self.root: list = [{}, None, 0.0]
+        self.size = 0
+        for w in words:
+            if not w or any(ch not in self.ids for ch in w):
+                continue
+            node = self.root
+            for ch in w:
+                node = node[0].setdefault(self.ids[ch], [{}, None, 0.0])
+            if node[1] is None:
+                node[1] = w
+                self.size += 1
+        if lm is not None:
+            self._lookahead(self.root, lm, 0)
+
+    def _lookahead(self, node: list, lm: NgramLm, depth: int) -> float:
+        """Store in every node below the root the best unigram ln P of the words it can still become."""
+        best = lm.score((), node[1])[0] if node[1] is not None else -1e9
+        for child in node[0].values():
+            best = max(best, self._lookahead(child, lm, depth + 1))
+        node[2] = best if depth else 0.0
+        return best
+
+    @classmethod
+    def from_lm(cls, lm: NgramLm, vocabulary: list[str], extra=()) -> Lexicon:
+        return cls([w for w in lm.words if lm.known(w)] + list(extra), vocabulary, lm)
+
+
+class _Prefix:
+    __slots__ = ("ctx", "end", "last", "lm", "node", "partial", "pb", "pnb", "start", "text", "wlp", "words")
+
+    def __init__(self, text, last, node, partial, ctx, lm, words, start, end, wlp):
+        self.text = text  # committed words and the partial word, space separated
+        self.last = last  # last emitted token id (0 when none, or after a word break)
+        self.node = node  # lexicon node of the partial word
+        self.partial = partial  # the partial word's characters
+        self.ctx = ctx  # language model state
+        self.lm = lm  # accumulated alpha * ln P_lm + beta * words
+        self.words = words  # tuple of finished Words
+        self.start = start  # first frame of the partial word
+        self.end = end  # frame after the partial word's last emission
+        self.wlp = wlp  # summed acoustic log-prob of the partial word's emissions
+        self.pb = _NEG
+        self.pnb = _NEG
+
+
+class BeamCtcDecoder:
+    """Prefix beam search for one utterance at a time (see the module docstring)."""
+
+    # The best prefix can lose to another as frames arrive: interim text may be revised.
+    stable_interims = False
+
+    def __init__(
+        self,
+        vocabulary: list[str],
+        lm: NgramLm,
+        lexicon: Lexicon | None = None,
+        config: BeamConfig | None = None,
+        frame_ms: int = 10,
+    ) -> None:
+        if vocabulary[0] not in ("<blank>", "") or " " not in vocabulary:
+            raise ValueError("beam search needs the blank at index 0 and a ' ' word separator")
+        self._vocab = list(vocabulary)
+        self._space = self._vocab.index(" ")
+        self.lm = lm
+        self.lexicon = lexicon or Lexicon.from_lm(lm, vocabulary)
+        self.config = config or BeamConfig()
+        self.frame_ms = frame_ms
+        self._log_blank_skip = math.log(self.config.blank_skip)
+        self.reset()
+
+    def reset(self) -> None:
+        root = _Prefix("", 0, self.lexicon.root, "", self.lm.start(), 0.0, (), 0, 0, 0.0)
+        root.pb = 0.0
+        self._beams: dict[str, _Prefix] = {"": root}
+        self._best: _Prefix = root
+        self._finished: list[Word] | None = None
+
+    # ------------------------------------------------------------------ search
+
+    def push(self, ids: np.ndarray, logprobs: np.ndarray, first_frame: int) -> bool:
+        """Add frames from ``first_frame`` on: per frame the ``K`` most likely token ids and their log-probs.
+
+        ``ids`` and ``logprobs`` are ``[frames, K]``, best first (the engine's ``top_k`` output; ``K`` = the
+        vocabulary size gives the full distribution). A token outside a frame's top ``K`` is treated as
+        having the ``K``-th log-probability, an upper bound. Returns True if the best text changed.
+        """
+        ids = np.asarray(ids)
+        logprobs = np.asarray(logprobs, dtype=np.float32)
+        if ids.ndim != 2 or logprobs.shape != ids.shape:
+            raise ValueError(f"ids {ids.shape} and logprobs {logprobs.shape} must be equal [frames, K]")
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self._vocab)):
+            raise ValueError(f"token ids must be in [0, {len(self._vocab)})")
+        before = self._best.text
+        cfg = self.config
+        skip = self._log_blank_skip
+        keep = cfg.max_tokens
+        for t, (row_ids, row_lps) in enumerate(zip(ids.tolist(), logprobs.tolist(), strict=True)):
+            scores = dict(zip(row_ids, row_lps, strict=True))
+            floor = row_lps[-1]
+            blank = scores.get(0, floor)
+            if blank >= skip:
+                self._carry(blank, scores, floor)
+                continue
+            cutoff = row_lps[0] - cfg.token_prune
+            tokens = [(k, lp) for k, lp in zip(row_ids[:keep], row_lps[:keep], strict=True) if k and lp >= cutoff]
+            tokens.append((0, blank))  # every prefix survives through a blank
+            self._step(first_frame + t, tokens)
+        self._best = max(self._beams.values(), key=self._rank)
+        return self._best.text != before
+
+    def _carry(self, lp_blank: float, scores: dict[int, float], floor: float) -> None:
+        for p in self._beams.values():
+            total = _lse(p.pb, p.pnb)
+            p.pnb = p.pnb + scores.get(p.last, floor) if p.last else _NEG
+            p.pb = total + lp_blank
+
+    def _rank(self, p: _Prefix) -> float:
+        return _lse(p.pb, p.pnb) + p.lm + self.config.alpha * p.node[2]
+
+    def _step(self, frame: int, tokens: list[tuple[int, float]]) -> None:
+        cfg = self.config
+        space = self._space
+        vocab = self._vocab
+        nxt: dict[str, _Prefix] = {}
+
+        def get(src: _Prefix, text: str, **changes) -> _Prefix:
+            q = nxt.get(text)
+            if q is None:
+                q = _Prefix(
+                    text,
+                    changes.get("last", src.last),
+                    changes.get("node", src.node),
+                    changes.get("partial", src.partial),
+                    changes.get("ctx", src.ctx),
+                    changes.get("lm", src.lm),
+                    changes.get("words", src.words),
+                    changes.get("start", src.start),
+                    changes.get("end", src.end),
+                    changes.get("wlp", src.wlp),
+                )
+                nxt[text] = q
+            return q
+
+        for p in self._beams.values():
+            total = _lse(p.pb, p.pnb)
+            for k, lp in tokens:
+                if k == 0:
+                    q = get(p, p.text)
+                    q.pb = _lse(q.pb, total + lp)
+                elif k == space:
+                    if not p.partial:  # a break with no word in progress: acts like a blank
+                        q = get(p, p.text)
+                        q.pb = _lse(q.pb, total + lp)
+                        continue
+                    word = p.node[1]
+                    if word is None:
+                        continue  # not a lexicon word
+                    q = nxt.get(p.text + " ")
+                    if q is None:
+                        lm_lp, ctx = self.lm.score(p.ctx, word)
+                        finished = Word(
+                            word,
+                            p.start * self.frame_ms,
+                            p.end * self.frame_ms,
+                            math.exp(p.wlp / max(1, len(p.partial))),
+                        )
+                        q = get(
+                            p,
+                            p.text + " ",
+                            last=0,
+                            node=self.lexicon.root,
+                            partial="",
+                            ctx=ctx,
+                            lm=p.lm + cfg.alpha * lm_lp + cfg.beta,
+                            words=(*p.words, finished),
+                        )
+                    q.pnb = _lse(q.pnb, total + lp)
+                elif k == p.last:
+                    q = get(p, p.text)  # repeated token collapses
+                    q.pnb = _lse(q.pnb, p.pnb + lp)
+                    child = p.node[0].get(k)
+                    if child is not None and p.pb > _NEG:  # blank in between: a double letter
+                        ch = vocab[k]
+                        q = get(p, p.text + ch, node=child, partial=p.partial + ch, end=frame + 1, wlp=p.wlp + lp)
+                        q.pnb = _lse(q.pnb, p.pb + lp)
+                else:
+                    child = p.node[0].get(k)
+                    if child is None:
+                        continue
+                    ch = vocab[k]
+                    if p.partial:
+                        q = get(
+                            p,
+                            p.text + ch,
+                            last=k,
+                            node=child,
+                            partial=p.partial + ch,
+                            end=frame + 1,
+                            wlp=p.wlp + lp,
+                        )
+                    else:
+                        q = get(p, p.text + ch, last=k, node=child, partial=ch, start=frame, end=frame + 1, wlp=lp)
+                    q.pnb = _lse(q.pnb, total + lp)
+        # Carry-over paths may have no emission this frame yet keep their last token.
+        rank = self._rank
+        self._beams = dict(sorted(nxt.items(), key=lambda kv: rank(kv[1]), reverse=True)[: cfg.beam_size])
+
+    # ------------------------------------------------------------------ results
+
+    def _final(self, p: _Prefix) -> tuple[float, tuple[Word, ...]]:
+        """Score and words of ``p`` as if the utterance ended now."""
+        cfg = self.config
+        score = _lse(p.pb, p.pnb) + p.lm
+        words = p.words
+        ctx = p.ctx
+        if p.partial:
+            word = p.node[1]
+            if word is None:
+                return score - 1e3, (*words, self._partial_word(p))
+            lm_lp, ctx = self.lm.score(ctx, word)
+            score += cfg.alpha * lm_lp + cfg.beta
+            words = (*words, self._partial_word(p))
+        return score + cfg.alpha * self.lm.end(ctx), words
+
+    def _partial_word(self, p: _Prefix) -> Word:
+        return Word(
+            p.partial, p.start * self.frame_ms, p.end * self.frame_ms, math.exp(p.wlp / max(1, len(p.partial)))
+        )
+
+    def finalize(self) -> None:
+        """The utterance has ended: pick the best hypothesis with its last word and ``</s>`` scored.
+
+        From here until :meth:`reset`, :attr:`text` and :meth:`words` describe that hypothesis.
+        """
+        best = max(self._beams.values(), key=lambda p: self._final(p)[0])
+        self._finished = list(self._final(best)[1])
+
+    @property
+    def text(self) -> str:
+        """The best hypothesis so far (the word in progress included)."""
+        if self._finished is not None:
+            return " ".join(w.word for w in self._finished)
+        return self._best.text.strip()
+
+    def words(self) -> list[Word]:
+        if self._finished is not None:
+            return list(self._finished)
+        p = self._best
+        return list((*p.words, self._partial_word(p))) if p.partial else list(p.words)
+
+    @property
+    def confidence(self) -> float:
+        """Mean word confidence (0.0 while nothing is decoded)."""
+        words = self.words()
+        return sum(w.confidence for w in words) / len(words) if words else 0.0

@@ -1,0 +1,92 @@
+"""Which CTC decoder a server's sessions use, and building one per utterance stream.
+
+``greedy`` reads each frame's best token; ``beam`` runs :class:`~cosystream.server.beam.BeamCtcDecoder`
+against a word n-gram language model (ARPA). ``auto`` picks ``beam`` when the model directory ships a
+``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. The engine process resolves
+the choice once and passes it to every frontend in its HELLO, with the ``top_k`` token candidates per frame
+it sends for beam search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cosystream.models.loading import DEFAULT_MODEL_DIR
+from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
+from cosystream.server.ctc import CtcDecoder
+from cosystream.server.lm import NgramLm
+
+log = logging.getLogger(__name__)
+
+LM_FILE = "lm.arpa.gz"
+DECODERS = ("auto", "greedy", "beam")
+BEAM_TOP_K = 8  # token candidates per frame the engine sends for beam search
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    kind: str = "auto"  # auto | greedy | beam
+    lm_path: str | None = None  # None: the model directory's lm.arpa.gz
+    beam: BeamConfig = field(default_factory=BeamConfig)
+
+    def __post_init__(self) -> None:
+        if self.kind not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {self.kind!r}")
+
+    def resolve(self, model_path: str | None) -> DecoderConfig:
+        """Settle ``auto`` and the language model path for the model at ``model_path``."""
+        lm = self.lm_path
+        if lm is None:
+            candidate = Path(model_path or DEFAULT_MODEL_DIR) / LM_FILE
+            lm = str(candidate) if candidate.is_file() else None
+        elif not Path(lm).is_file():
+            raise ValueError(f"language model {lm}: no such file")
+        kind = self.kind
+        if kind == "auto":
+            kind = "beam" if lm else "greedy"
+        if kind == "beam" and lm is None:
+            raise ValueError("beam decoding needs a language model: pass --lm or add lm.arpa.gz to the model")
+        return dataclasses.replace(self, kind=kind, lm_path=lm if kind == "beam" else None)
+
+    @property
+    def top_k(self) -> int:
+        return BEAM_TOP_K if self.kind == "beam" else 1
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "lm_path": self.lm_path, "beam": dataclasses.asdict(self.beam)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DecoderConfig:
+        return cls(data["kind"], data.get("lm_path"), BeamConfig(**data.get("beam", {})))
+
+
+class DecoderFactory:
+    """Makes a fresh decoder for each stream; the language model and lexicon are loaded once and shared."""
+
+    def __init__(self, config: DecoderConfig, vocabulary: list[str]) -> None:
+        if config.kind == "auto":
+            raise ValueError("resolve() the decoder config first")
+        self.config = config
+        self.vocabulary = list(vocabulary)
+        self.lm: NgramLm | None = None
+        self.lexicon: Lexicon | None = None
+        if config.kind == "beam":
+            started = time.perf_counter()
+            self.lm = NgramLm.load(config.lm_path)
+            self.lexicon = Lexicon.from_lm(self.lm, self.vocabulary)
+            log.info(
+                "beam decoding with %s: %d-gram, %d words, loaded in %.1f s",
+                config.lm_path,
+                self.lm.order,
+                self.lexicon.size,
+                time.perf_counter() - started,
+            )
+
+    def __call__(self) -> CtcDecoder | BeamCtcDecoder:
+        if self.lm is None:
+            return CtcDecoder(self.vocabulary)
+        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, self.config.beam)
