@@ -7,6 +7,7 @@ largest passing count is the capacity. Prints JSON and a table.
 
     python benchmarks/capacity.py                        # both modes, 10 and 20 ms chunks
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --counts 40 80 120
+    python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders greedy beam   # decoding's cost
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": 
 P99_LIMIT_MS = 20.0
 
 
-def measure(mode: str, chunk_ms: int, counts: list[int], duration_s: float, frontends: int) -> dict:
+def measure(mode: str, chunk_ms: int, counts: list[int], duration_s: float, frontends: int, decoder: str) -> dict:
     extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends)]
     runs = []
-    with Server("--max-sessions", str(max(counts) + 8), *extra) as server:
+    with Server("--max-sessions", str(max(counts) + 8), "--decoder", decoder, *extra) as server:
         for count in counts:
             result, cpu_s = probe(
                 server,
@@ -53,14 +54,20 @@ def measure(mode: str, chunk_ms: int, counts: list[int], duration_s: float, fron
             run["passed"] = run["p99_ms"] <= P99_LIMIT_MS and run["deadline_misses"] == 0 and run["errors"] == 0
             runs.append(run)
             print(
-                f"{mode:>6} {chunk_ms:>3} ms x{count:<4} p50 {run['p50_ms']:7.1f} p99 {run['p99_ms']:8.1f}"
+                f"{mode:>6} {decoder:>6} {chunk_ms:>3} ms x{count:<4} p50 {run['p50_ms']:7.1f} p99 {run['p99_ms']:8.1f}"
                 f" misses {run['deadline_misses']:>5} cpu/audio-s {run['server_cpu_ms_per_audio_s']:6.1f} ms",
                 file=sys.stderr,
             )
             if not run["passed"] and len(runs) >= 2 and not runs[-2]["passed"]:
                 break  # two failures in a row: past capacity
     passing = [r["streams"] for r in runs if r["passed"]]
-    return {"mode": mode, "chunk_ms": chunk_ms, "capacity": max(passing, default=0), "runs": runs}
+    return {
+        "mode": mode,
+        "decoder": decoder,
+        "chunk_ms": chunk_ms,
+        "capacity": max(passing, default=0),
+        "runs": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,30 +78,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per run")
     parser.add_argument("--frontends", type=int, default=1)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--decoders",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "greedy", "beam"],
+        help="serve --decoder values",
+    )
     args = parser.parse_args(argv)
     results = [
-        measure(mode, chunk_ms, args.counts or DEFAULT_COUNTS[mode], args.duration, args.frontends)
+        measure(mode, chunk_ms, args.counts or DEFAULT_COUNTS[mode], args.duration, args.frontends, decoder)
         for chunk_ms in args.chunk_ms
+        for decoder in args.decoders
         for mode in args.modes
     ]
     summary = {"p99_limit_ms": P99_LIMIT_MS, "results": results}
     for chunk_ms in args.chunk_ms:
-        by_mode = {r["mode"]: r["capacity"] for r in results if r["chunk_ms"] == chunk_ms}
-        if by_mode.get("naive"):
-            summary[f"ratio_{chunk_ms}ms"] = by_mode.get("engine", 0) / by_mode["naive"]
+        for decoder in args.decoders:
+            by_mode = {
+                r["mode"]: r["capacity"] for r in results if (r["chunk_ms"], r["decoder"]) == (chunk_ms, decoder)
+            }
+            if by_mode.get("naive"):
+                summary[f"ratio_{chunk_ms}ms_{decoder}"] = by_mode.get("engine", 0) / by_mode["naive"]
     dump(summary, args.json)
     print(
-        f"\n{'mode':>6} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8} {'misses':>7} {'cpu ms/s':>9}  pass"
+        f"\n{'mode':>6} {'decoder':>7} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8} {'misses':>7}"
+        f" {'cpu ms/s':>9}  pass"
     )
     for result in results:
         for run in result["runs"]:
             print(
-                f"{result['mode']:>6} {result['chunk_ms']:>4}ms {run['streams']:>8} {run['p50_ms']:>8.1f}"
+                f"{result['mode']:>6} {result['decoder']:>7} {result['chunk_ms']:>4}ms {run['streams']:>8} {run['p50_ms']:>8.1f}"
                 f" {run['p99_ms']:>8.1f} {run['deadline_misses']:>7} {run['server_cpu_ms_per_audio_s']:>9.1f}"
                 f"  {'yes' if run['passed'] else 'no'}"
             )
     for result in results:
-        print(f"capacity {result['mode']} at {result['chunk_ms']} ms chunks: {result['capacity']} streams")
+        print(
+            f"capacity {result['mode']} ({result['decoder']} decoding) at {result['chunk_ms']} ms chunks:"
+            f" {result['capacity']} streams"
+        )
     for key, value in summary.items():
         if key.startswith("ratio"):
             print(f"{key}: engine/naive = {value:.1f}x")

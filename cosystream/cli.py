@@ -32,8 +32,8 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
         help="auto: beam search when the model ships a language model (lm.arpa.gz) or --lm is given",
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
-    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 12)")
-    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.5)")
+    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 16)")
+    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.6)")
     group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default 1.0)")
 
 
