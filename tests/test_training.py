@@ -90,6 +90,7 @@ def test_resume_continues_from_checkpoint(trained, tmp_path):
             "--max-steps",
             "42",
             "--no-augment",
+            "--bf16",  # resuming may switch to bfloat16 autocast
             "--log-every",
             "1",
             "--eval-limit",

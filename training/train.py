@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--config", type=str, default="{}", help="JSON overrides of the default ConvCtcConfig")
     p.add_argument("--no-augment", action="store_true")
+    p.add_argument(
+        "--bf16", action="store_true", help="bfloat16 autocast for the network (about 2x faster on CPUs with AMX)"
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -423,7 +426,11 @@ def main(argv: list[str] | None = None) -> None:
             features = model.log_mel(audio)
             if not args.no_augment:
                 features = spec_augment(features, in_lengths, gen)
-            log_probs = model.encode(features).log_softmax(-1)
+            # bfloat16 for the network's matmuls (AMX / AVX-512-BF16 on recent x86 CPUs, tensor cores on
+            # CUDA), float32 weights, features and loss.
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                logits = model.encode(features)
+            log_probs = logits.float().log_softmax(-1)
             loss = ctc(
                 log_probs.transpose(0, 1).float().cpu() if device.type != "cuda" else log_probs.transpose(0, 1),
                 flat.to(device) if device.type == "cuda" else flat,
