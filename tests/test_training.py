@@ -152,3 +152,16 @@ def test_codecs_round_trip():
         y = codec(x)
         assert np.max(np.abs(y - x)) < 0.03
     assert telephone(x, "mulaw").shape == x.shape
+
+
+def test_export_averages_checkpoint_weights(trained, tmp_path):
+    from training.export import model_from_checkpoint
+
+    shifted = torch.load(trained / "last.pt", map_location="cpu", weights_only=False)
+    shifted["model"] = {k: v + 1.0 if v.is_floating_point() else v for k, v in shifted["model"].items()}
+    torch.save(shifted, tmp_path / "shifted.pt")
+    last, _ = model_from_checkpoint(trained / "last.pt")
+    mean, _ = model_from_checkpoint(trained / "last.pt", [tmp_path / "shifted.pt"])
+    for name, value in mean.state_dict().items():
+        base = last.state_dict()[name]
+        torch.testing.assert_close(value, base + 0.5 if value.is_floating_point() else base)

@@ -24,10 +24,22 @@ from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
 MAX_BYTES = 25 * 1024 * 1024
 
 
-def model_from_checkpoint(path: Path) -> tuple[ConvCtcModel, dict]:
+def model_from_checkpoint(path: Path, average: list[Path] = ()) -> tuple[ConvCtcModel, dict]:
+    """The checkpoint's model; with ``average``, the mean of its weights and those checkpoints' weights."""
     ck = torch.load(path, map_location="cpu", weights_only=False)
     model = ConvCtcModel(ConvCtcConfig.from_dict(ck["config"]))
-    model.load_state_dict(ck["model"])
+    state = {k: v.clone() for k, v in ck["model"].items()}
+    for other in average:
+        extra = torch.load(other, map_location="cpu", weights_only=False)
+        if extra["config"] != ck["config"]:
+            raise SystemExit(f"{other}: a different model configuration than {path}")
+        for k, v in extra["model"].items():
+            if v.is_floating_point():
+                state[k] += v
+    for v in state.values():
+        if v.is_floating_point():
+            v /= 1 + len(average)
+    model.load_state_dict(state)
     return model.eval(), ck
 
 
@@ -63,6 +75,13 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=Path("runs/en1/best.pt"))
+    p.add_argument(
+        "--average",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="more checkpoints of the same run to average weights with",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/export/default"))
     p.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     p.add_argument("--no-eval", action="store_true")
@@ -71,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model, ck = model_from_checkpoint(args.checkpoint)
+    model, ck = model_from_checkpoint(args.checkpoint, args.average)
     export(model, args.out)
     if args.lm.is_file() and args.lm.resolve() != (args.out / "lm.arpa.gz").resolve():
         shutil.copyfile(args.lm, args.out / "lm.arpa.gz")
@@ -92,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         results["held_out_mean"] = {"wer": mean("wer", ""), "cer": mean("cer", "")}
     meta = {
         "checkpoint": str(args.checkpoint),
+        "averaged_with": [str(a) for a in args.average],
         "step": ck["step"],
         "audio_hours_seen": ck["audio_seen"] / 3600,
         "train_seconds": ck["train_seconds"],
