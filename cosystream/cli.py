@@ -155,7 +155,11 @@ def serve(args: argparse.Namespace) -> int:
             batch_max_duty=args.batch_duty,
         )
         decoder = decoder_config(args)
-    except ValueError as err:
+        if decoder.kind == "beam":
+            from cosystream.server.lm import NgramLm
+
+            NgramLm.load(decoder.lm_path)  # fail here, with a message, rather than in every frontend
+    except (OSError, EOFError, ValueError) as err:
         sys.exit(f"cosystream serve: {err}")
     process = EngineProcessConfig(
         address=os.path.join(run_dir, "engine.sock"),

@@ -169,7 +169,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     try:
         result = evaluate(args.model, Path(args.test_set), args.telephone, decoder_config(args))
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, EOFError, ValueError, KeyError) as err:
         print(f"cosystream eval: {err}", file=sys.stderr)
         return 1
     if args.json:

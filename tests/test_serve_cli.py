@@ -150,3 +150,28 @@ def test_serve_drains_on_sigterm(served):
     assert kinds == [pb.SpeechEvent.SPEECH_STARTED, pb.SpeechEvent.SPEECH_ENDED]
     assert len(finals) == 1
     assert process.wait(30) == 0, "".join(log)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lm", "BAD"], "not an ARPA file"),
+        (["--lm", "MISSING"], "no such file"),
+        (["--decoder", "beam", "--model", "EMPTY"], "beam decoding needs a language model"),
+        (["--beam-size", "0"], "--beam-size must be >= 1"),
+    ],
+)
+def test_serve_refuses_a_bad_decoder_setup_with_one_line(tmp_path, args, message):
+    (tmp_path / "bad.arpa").write_text("this is not a language model\n")
+    (tmp_path / "empty").mkdir()
+    paths = {"BAD": tmp_path / "bad.arpa", "MISSING": tmp_path / "missing.arpa", "EMPTY": tmp_path / "empty"}
+    args = [str(paths.get(a, a)) for a in args]
+    run = subprocess.run(
+        [sys.executable, "-m", "cosystream.cli", "serve", "--port", "0", "--metrics-port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert run.stderr.startswith("cosystream serve: ") and message in run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
