@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         "step": ck["step"],
         "audio_hours_seen": ck["audio_seen"] / 3600,
         "train_seconds": ck["train_seconds"],
-        "flops_per_frame": load_model(args.out).flops_per_frame(),
+        "flops_per_frame": loaded.flops_per_frame(),
     }
     (args.out / "eval.json").write_text(json.dumps({"meta": meta, "results": tables}, indent=1) + "\n")
     table = "\n".join(f"{name}:\n\n{markdown(results)}" for name, results in tables.items())

@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     sentences = [s.split() for s in json.loads((args.corpus / "sentences.json").read_text())["train"]]
     extra: set[str] = set()
     for path in args.wordlist:
-        for line in path.read_text(encoding="utf-8", errors="ignore").split():
-            w = line.strip().lower()
+        for w in path.read_text(encoding="utf-8", errors="ignore").lower().split():
             if (_WORD.match(w) and len(w) > 1) or w in ("a", "i"):
                 extra.add(w)
     logprobs, backoffs = kneser_ney(sentences, args.order, args.discount, extra)

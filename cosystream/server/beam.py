@@ -4,10 +4,11 @@ Each frame extends the ``beam_size`` best prefixes (Hannun et al., 2014) by the 
 ``token_prune`` nats of the frame's best; a word may only be spelled along the lexicon trie, and when it
 completes (a space is emitted, or the utterance ends) the prefix gains ``alpha * ln P_lm(word | history) +
 beta``. Frames whose blank probability is at least ``blank_skip`` only carry every prefix over. The cost is
-O(beam_size * tokens tried) Python operations per non-blank frame, measured by ``benchmarks/decoding.py``.
+O(beam_size * tokens tried) Python operations per non-blank frame; ``benchmarks/accuracy.py`` prints it per
+10 ms frame.
 
-It has the greedy :class:`~cosystream.server.ctc.CtcDecoder`'s interface, except that :meth:`push` takes
-the full log-probability matrix ``[frames, vocabulary]`` rather than argmax ids.
+It has the greedy :class:`~cosystream.server.ctc.CtcDecoder`'s interface; :meth:`push` reads every
+column of the engine's ``[frames, top_k]`` candidates, where greedy decoding reads only the first.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class Lexicon:
         return best
 
     @classmethod
-    def from_lm(cls, lm: NgramLm, vocabulary: list[str], extra=()) -> Lexicon:
-        return cls([w for w in lm.words if lm.known(w)] + list(extra), vocabulary, lm)
+    def from_lm(cls, lm: NgramLm, vocabulary: list[str]) -> Lexicon:
+        """The language model's words (``<s>``, ``</s>`` and ``<unk>`` left out)."""
+        return cls([w for w in lm.words if lm.known(w)], vocabulary, lm)
 
 
 class _Prefix:
@@ -207,9 +209,9 @@ class BeamCtcDecoder:
                     q = nxt.get(key)
                     if q is None:
                         lm_lp, ctx = self.lm.score(p.ctx, word)
-                        finished = Word(word, p.start * self.frame_ms, p.end * self.frame_ms, p.word_confidence())
                         lm = p.lm + cfg.alpha * lm_lp + cfg.beta
-                        q = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, (*p.words, finished), 0, 0, 0.0)
+                        words = (*p.words, self._partial_word(p))
+                        q = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, words, 0, 0, 0.0)
                         nxt[key] = q
                     q.pnb = _lse(q.pnb, total + lp)
                 elif k == p.last:
@@ -276,8 +278,8 @@ class BeamCtcDecoder:
 
         From here until :meth:`reset`, :attr:`text` and :meth:`words` describe that hypothesis.
         """
-        best = max(self._beams.values(), key=lambda p: self._final(p)[0])
-        self._finished = list(self._final(best)[1])
+        _, words = max((self._final(p) for p in self._beams.values()), key=lambda scored: scored[0])
+        self._finished = list(words)
 
     @property
     def text(self) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosystream.models.loading import DEFAULT_MODEL_DIR
+from cosystream.server.audio import FRAME_MS
 from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.lm import NgramLm
@@ -88,5 +89,5 @@ class DecoderFactory:
 
     def __call__(self) -> CtcDecoder | BeamCtcDecoder:
         if self.lm is None:
-            return CtcDecoder(self.vocabulary)
-        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, self.config.beam)
+            return CtcDecoder(self.vocabulary, FRAME_MS)
+        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, self.config.beam, FRAME_MS)

@@ -217,10 +217,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.options = options
         self.metrics = metrics or FrontendMetrics()
         self.info = engine.info
-        decoder = self.info.get("decoder")
-        self.decoders = DecoderFactory(
-            DecoderConfig.from_dict(decoder) if decoder else DecoderConfig("greedy"), self.info["vocabulary"]
-        )
+        self.decoders = DecoderFactory(DecoderConfig.from_dict(self.info["decoder"]), self.info["vocabulary"])
         self.draining = False
         self._streams: set[_Stream] = set()
 
