@@ -103,6 +103,33 @@ def test_resume_continues_from_checkpoint(trained, tmp_path):
     assert [r["step"] for r in records if r.get("event") == "train"][-2:] == [41, 42]
 
 
+def test_fine_tune_starts_from_a_model_directory(trained, tmp_path):
+    """``--init DIR`` starts a new run (step 0, fresh optimizer) from an exported model's weights."""
+    from training import train
+    from training.export import export, model_from_checkpoint
+
+    model, _ = model_from_checkpoint(trained / "last.pt")
+    export(model, tmp_path / "model")
+    corpus_dir = trained.parent / "corpus"
+
+    def first_loss(run: Path, *extra: str) -> float:
+        train.main(
+            ["--corpus", str(corpus_dir), "--run", str(run), "--total-steps", "2", "--max-steps", "1"]
+            + ["--peak-lr", "1e-9", "--no-augment", "--log-every", "1", "--eval-limit", "1"]
+            + ["--config", json.dumps(TINY), *extra]
+        )
+        records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        assert records[0]["event"] == "start" and records[0]["init"] == (extra[-1] if extra else None)
+        return next(r["loss"] for r in records if r.get("event") == "train")
+
+    tuned = first_loss(tmp_path / "tuned", "--init", str(tmp_path / "model"))
+    scratch = first_loss(tmp_path / "scratch")
+    final = [json.loads(line) for line in (trained / "log.jsonl").read_text().splitlines()]
+    trained_loss = [r["loss"] for r in final if r.get("event") == "train"][-1]
+    assert tuned < 0.5 * scratch, (tuned, scratch)
+    assert tuned < 2.0 * trained_loss + 0.5, (tuned, trained_loss)
+
+
 def test_export_round_trip_and_streaming(trained, tmp_path):
     from training.export import export, model_from_checkpoint
 

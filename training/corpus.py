@@ -19,6 +19,7 @@ every time a sample is drawn.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import io
 import json
 import os
@@ -116,9 +117,18 @@ ESPEAK_MALE = [
 MBROLA = [("mb-us1", "f"), ("mb-us2", "m"), ("mb-us3", "m"), ("mb-en1", "m")]
 FLITE = [("kal16", "m"), ("kal", "m"), ("awb", "m"), ("rms", "m")]
 FESTIVAL = [("kal_diphone", "m"), ("ked_diphone", "m")]
+# RHVoice (Debian non-free ``rhvoice-english``): statistical-parametric voices from the CMU ARCTIC
+# speakers, LGPL-2.1+. clb (female) twice as often. Its ``slt`` is the held-out speaker; ``lyubov`` and
+# ``evgeniy-eng`` are CC-BY-NC-ND and not used.
+RHVOICE = [("clb", "f"), ("clb", "f"), ("bdl", "m"), ("alan", "m")]
 
-# Held-out (evaluation only) voices.
+# Held-out (evaluation only) voices; the held-out mean is over these four. ``rhvoice_slt`` (the same
+# speaker through a third engine) is held out too and reported beside them.
 HELD_OUT = ["flite_slt", "festival_slt_hts", "pico_en-US", "pico_en-GB"]
+
+# Training voice sets: ``base`` (espeak-ng, mbrola, flite, festival; ``shard_NNNNN.npz``) and ``rhvoice``
+# (``shard_rh_NNNNN.npz``), each resumable and reproducible on its own from the seed.
+VOICE_SETS = {"base": "shard_", "rhvoice": "shard_rh_"}
 
 
 @dataclass
@@ -138,8 +148,14 @@ def _mbrola_ok() -> bool:
     return shutil.which("mbrola") is not None and Path("/usr/share/mbrola/us1").exists()
 
 
-def sample_voice(rng: random.Random) -> Voice:
-    """One random training voice (about half of the utterances female or female-like)."""
+def sample_voice(rng: random.Random, voice_set: str = "base") -> Voice:
+    """One random training voice of ``voice_set`` (about half of the utterances female or female-like)."""
+    if voice_set == "rhvoice":
+        name, sex = rng.choice(RHVOICE)
+        voice = Voice("rhvoice", name, rate=rng.uniform(0.75, 1.35), pitch=rng.uniform(0.8, 1.3))
+        if sex == "m" and rng.random() < 0.35:
+            voice.shift_cents = rng.randint(300, 700)
+        return voice
     r = rng.random()
     if r < 0.55 or (r < 0.70 and not _mbrola_ok()):
         female = rng.random() < 0.5
@@ -242,6 +258,15 @@ def synth_festival_batch(items: list[tuple[str, Voice]], tmp: Path) -> list[np.n
     return out
 
 
+def synth_rhvoice(text: str, voice: Voice, tmp: Path) -> np.ndarray:
+    out = tmp / "rhvoice.wav"
+    rate, pitch = round(100 * voice.rate), round(100 * voice.pitch)
+    _run(
+        ["RHVoice-test", "-p", voice.name, "-r", str(rate), "-t", str(pitch), "-o", str(out)], stdin=text.encode()
+    )
+    return _read_wav(out.read_bytes())
+
+
 def synth_pico(text: str, lang: str, tmp: Path) -> np.ndarray:
     out = tmp / "pico.wav"
     _run(["pico2wave", "-l", lang, "-w", str(out), text])
@@ -295,6 +320,8 @@ def synthesize(items: list[tuple[str, Voice]], tmp: Path) -> list[np.ndarray | N
                 results[i] = synth_flite(text, voice, tmp)
             elif voice.engine == "pico":
                 results[i] = synth_pico(text, voice.name, tmp)
+            elif voice.engine == "rhvoice":
+                results[i] = synth_rhvoice(text, voice, tmp)
         except (subprocess.SubprocessError, ValueError, EOFError, wave.Error, OSError) as exc:
             print(f"failed {voice.label}: {exc}", file=sys.stderr)
     if fest:
@@ -330,6 +357,8 @@ def build_eval(out: Path, eval_sentences: list[str], seed: int, tmp: Path) -> No
         "pico_en-GB": [(s, Voice("pico", "en-GB")) for s in eval_sentences],
         "train_voices": [(s, sample_voice(rng)) for s in eval_sentences],
     }
+    if shutil.which("RHVoice-test"):
+        groups["rhvoice_slt"] = [(s, Voice("rhvoice", "slt")) for s in eval_sentences]
     for name, items in groups.items():
         path = out / "eval" / f"{name}.npz"
         if path.exists():
@@ -344,13 +373,33 @@ def build_eval(out: Path, eval_sentences: list[str], seed: int, tmp: Path) -> No
         )
 
 
+def build_shard(out: Path, voice_set: str, seed: int, shard: int, shard_size: int, train: list[str]) -> int:
+    """Synthesize one training shard; returns its samples. Its content depends only on (set, seed, index)."""
+    salt = list(VOICE_SETS).index(voice_set)
+    rng = random.Random(seed * 1_000_003 + shard + salt * 500_000)
+    # Walk the training sentences in a seeded order, one pass after another (another order per set).
+    first = shard * shard_size
+    order = train[:]
+    random.Random(seed + 7 + salt * 1000 + first // len(train)).shuffle(order)
+    texts = [order[(first + i) % len(train)] for i in range(shard_size)]
+    items = [(t, sample_voice(rng, voice_set)) for t in texts]
+    with tempfile.TemporaryDirectory(prefix="cosy-synth-") as tmpdir:
+        audios = synthesize(items, Path(tmpdir))
+    keep = [i for i, a in enumerate(audios) if a is not None]
+    path = out / "train" / f"{VOICE_SETS[voice_set]}{shard:05d}.npz"
+    save_shard(path, [audios[i] for i in keep], [texts[i] for i in keep], [items[i][1].label for i in keep])
+    return sum(audios[i].size for i in keep)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("data/corpus"))
-    parser.add_argument("--hours", type=float, default=28.0, help="training audio to synthesize")
+    parser.add_argument("--hours", type=float, default=28.0, help="training audio to synthesize (this voice set)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--eval-sentences", type=int, default=150)
     parser.add_argument("--shard-size", type=int, default=400)
+    parser.add_argument("--voice-set", choices=list(VOICE_SETS), default="base")
+    parser.add_argument("--workers", type=int, default=1, help="shards synthesized in parallel")
     args = parser.parse_args(argv)
 
     out: Path = args.out
@@ -364,38 +413,34 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     with tempfile.TemporaryDirectory(prefix="cosy-synth-") as tmpdir:
-        tmp = Path(tmpdir)
-        build_eval(out, eval_sentences, args.seed, tmp)
-        target = args.hours * 3600 * SAMPLE_RATE
-        done = 0
-        shard = 0
-        started = time.time()
-        order: list[str] = []
-        while done < target:
-            path = out / "train" / f"shard_{shard:05d}.npz"
-            # Each shard's content depends only on (seed, shard index): a rerun resumes where it stopped.
-            rng = random.Random(args.seed * 1_000_003 + shard)
-            if path.exists():
-                with np.load(path) as z:
-                    done += int(z["offsets"][-1])
+        build_eval(out, eval_sentences, args.seed, Path(tmpdir))
+    target = args.hours * 3600 * SAMPLE_RATE
+    done, shard, started = 0, 0, time.time()
+    prefix = VOICE_SETS[args.voice_set]
+    pending: dict[concurrent.futures.Future, int] = {}
+    with concurrent.futures.ProcessPoolExecutor(max(1, args.workers)) as pool:
+        while done < target or pending:
+            # Existing shards count as done: a rerun resumes where it stopped.
+            while done < target and len(pending) < max(1, args.workers):
+                path = out / "train" / f"{prefix}{shard:05d}.npz"
+                if path.exists():
+                    with np.load(path) as z:
+                        done += int(z["offsets"][-1])
+                else:
+                    job = pool.submit(build_shard, out, args.voice_set, args.seed, shard, args.shard_size, train)
+                    pending[job] = shard
                 shard += 1
-                continue
-            # Walk the training sentences in a seeded order, one pass after another.
-            first = shard * args.shard_size
-            order_rng = random.Random(args.seed + 7 + first // len(train))
-            order = train[:]
-            order_rng.shuffle(order)
-            texts = [order[(first + i) % len(train)] for i in range(args.shard_size)]
-            items = [(t, sample_voice(rng)) for t in texts]
-            audios = synthesize(items, tmp)
-            keep = [i for i, a in enumerate(audios) if a is not None]
-            save_shard(
-                path, [audios[i] for i in keep], [texts[i] for i in keep], [items[i][1].label for i in keep]
-            )
-            done += sum(audios[i].size for i in keep)
-            shard += 1
-            elapsed = time.time() - started
-            print(f"shard {shard}: {done / SAMPLE_RATE / 3600:.2f} h total, {elapsed:.0f} s elapsed", flush=True)
+            if not pending:
+                break
+            finished, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for job in finished:
+                index = pending.pop(job)
+                done += job.result()
+                elapsed = time.time() - started
+                print(
+                    f"{prefix}{index:05d}: {done / SAMPLE_RATE / 3600:.2f} h total, {elapsed:.0f} s elapsed",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

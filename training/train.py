@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cosystream.models import load_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
 from training.augment import augment, spec_augment, telephone
 from training.corpus import HELD_OUT, load_shard
@@ -240,6 +241,24 @@ def save_checkpoint(path: Path, **state) -> None:
     os.replace(tmp, path)
 
 
+def model_and_optimizer(
+    config: ConvCtcConfig, state: dict | None, weight_decay: float, lr: float
+) -> tuple[ConvCtcModel, torch.optim.AdamW]:
+    """The model (with ``state``'s weights, if given) and its AdamW (no weight decay on norms and biases)."""
+    model = ConvCtcModel(config)
+    if state is not None:
+        model.load_state_dict(state)
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+    )
+    return model, opt
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=Path("data/corpus"))
@@ -260,6 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", type=str, default="{}", help="JSON overrides of the default ConvCtcConfig")
     p.add_argument("--no-augment", action="store_true")
     p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="fine-tune: a new run starts from the weights and feature normalization of this checkpoint or "
+        "model directory (e.g. cosystream/models/default) "
+        "(fresh optimizer and schedule); ignored when the run resumes",
+    )
+    p.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast for the network (about 2x faster on CPUs with AMX)"
     )
     args = p.parse_args(argv)
@@ -277,7 +304,6 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(record), flush=True)
 
     config = default_config(**json.loads(args.config))
-    model = ConvCtcModel(config)
     vocab = {c: i for i, c in enumerate(config.vocabulary)}
     corpus = Corpus(args.corpus)
     names = corpus.refresh()
@@ -288,14 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     np_rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.peak_lr,
-        betas=(0.9, 0.98),
-    )
+    model, opt = model_and_optimizer(config, None, args.weight_decay, args.peak_lr)
     step, epoch, batch_index, audio_seen, train_seconds = 0, 0, 0, 0.0, 0.0
     epoch_shards: list[str] | None = None
     best_cer = float("inf")
@@ -303,15 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     if last_path.exists():
         ck = torch.load(last_path, weights_only=False)
         config = ConvCtcConfig.from_dict(ck["config"])
-        model = ConvCtcModel(config)
-        model.load_state_dict(ck["model"])
-        decay = [prm for n, prm in model.named_parameters() if prm.ndim >= 2 and "norm" not in n]
-        no_decay = [prm for n, prm in model.named_parameters() if not (prm.ndim >= 2 and "norm" not in n)]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=args.peak_lr,
-            betas=(0.9, 0.98),
-        )
+        model, opt = model_and_optimizer(config, ck["model"], args.weight_decay, args.peak_lr)
         opt.load_state_dict(ck["optimizer"])
         step, epoch, batch_index = ck["step"], ck["epoch"], ck["batch_index"]
         audio_seen, train_seconds, best_cer = ck["audio_seen"], ck["train_seconds"], ck["best_cer"]
@@ -322,12 +333,22 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_rng_state(ck["rng"]["torch_global"])
         log({"event": "resumed", "step": step, "epoch": epoch, "batch_index": batch_index})
     else:
-        shift, scale = feature_stats(model, corpus, names, np_rng)
-        model.features.shift.copy_(shift)
-        model.features.scale.copy_(scale)
+        if args.init is not None:
+            if args.init.is_dir():  # a model directory, e.g. the shipped default model
+                shipped = load_model(args.init)
+                config, state = shipped.config, shipped.state_dict()
+            else:
+                ck = torch.load(args.init, weights_only=False)
+                config, state = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
+            model, opt = model_and_optimizer(config, state, args.weight_decay, args.peak_lr)
+        else:
+            shift, scale = feature_stats(model, corpus, names, np_rng)
+            model.features.shift.copy_(shift)
+            model.features.scale.copy_(scale)
         log(
             {
                 "event": "start",
+                "init": None if args.init is None else str(args.init),
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "params": sum(x.numel() for x in model.parameters()),
                 "flops_per_frame": model.flops_per_frame(),
