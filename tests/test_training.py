@@ -113,11 +113,9 @@ def test_fine_tune_starts_from_a_model_directory(trained, tmp_path):
     corpus_dir = trained.parent / "corpus"
 
     def first_loss(run: Path, *extra: str) -> float:
-        train.main(
-            ["--corpus", str(corpus_dir), "--run", str(run), "--total-steps", "2", "--max-steps", "1"]
-            + ["--peak-lr", "1e-9", "--no-augment", "--log-every", "1", "--eval-limit", "1"]
-            + ["--config", json.dumps(TINY), *extra]
-        )
+        args = ["--corpus", str(corpus_dir), "--run", str(run), "--total-steps", "2", "--max-steps", "1"]
+        args += ["--peak-lr", "1e-9", "--no-augment", "--log-every", "1", "--eval-limit", "1"]
+        train.main([*args, "--config", json.dumps(TINY), *extra])
         records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
         assert records[0]["event"] == "start" and records[0]["init"] == (extra[-1] if extra else None)
         return next(r["loss"] for r in records if r.get("event") == "train")
