@@ -104,7 +104,8 @@ def test_resume_continues_from_checkpoint(trained, tmp_path):
 
 
 def test_fine_tune_starts_from_a_model_directory(trained, tmp_path):
-    """``--init DIR`` starts a new run (step 0, fresh optimizer) from an exported model's weights."""
+    """``--init DIR`` starts a new run (step 0, fresh optimizer) from an exported model's weights;
+    ``--snapshots-from`` keeps checkpoints for averaging."""
     from training import train
     from training.export import export, model_from_checkpoint
 
@@ -120,7 +121,11 @@ def test_fine_tune_starts_from_a_model_directory(trained, tmp_path):
         assert records[0]["event"] == "start" and records[0]["init"] == (extra[-1] if extra else None)
         return next(r["loss"] for r in records if r.get("event") == "train")
 
-    tuned = first_loss(tmp_path / "tuned", "--init", str(tmp_path / "model"))
+    # (Checkpoints at every step here; from step 1 on each is also kept as a snapshot for averaging.)
+    tuned = first_loss(
+        tmp_path / "tuned", "--checkpoint-minutes", "0", "--snapshots-from", "1", "--init", str(tmp_path / "model")
+    )
+    assert (tmp_path / "tuned" / "snap_1.pt").exists()
     scratch = first_loss(tmp_path / "scratch")
     final = [json.loads(line) for line in (trained / "log.jsonl").read_text().splitlines()]
     trained_loss = [r["loss"] for r in final if r.get("event") == "train"][-1]

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -272,6 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-seconds", type=float, default=64.0, help="padded audio per batch")
     p.add_argument("--max-utterance-s", type=float, default=12.0)
     p.add_argument("--checkpoint-minutes", type=float, default=4.0)
+    p.add_argument(
+        "--snapshots-from",
+        type=int,
+        default=None,
+        help="from this step on, every checkpoint is also kept as snap_<step>.pt (for export --average)",
+    )
     p.add_argument("--eval-minutes", type=float, default=10.0)
     p.add_argument("--eval-limit", type=int, default=50, help="utterances per group in periodic evals")
     p.add_argument("--log-every", type=int, default=50)
@@ -488,6 +495,8 @@ def main(argv: list[str] | None = None) -> None:
                 last_eval = time.time()
             if now - last_ckpt > args.checkpoint_minutes * 60:
                 checkpoint(last_path)
+                if args.snapshots_from is not None and step >= args.snapshots_from:
+                    shutil.copyfile(last_path, args.run / f"snap_{step}.pt")
                 last_ckpt = time.time()
         if batch_index >= len(batches):
             epoch += 1
