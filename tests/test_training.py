@@ -195,3 +195,18 @@ def test_export_averages_checkpoint_weights(trained, tmp_path):
     for name, value in mean.state_dict().items():
         base = last.state_dict()[name]
         torch.testing.assert_close(value, base + 0.5 if value.is_floating_point() else base)
+
+
+@pytest.mark.parametrize("voice_set", ["base", "rhvoice"])
+def test_training_voices_never_include_a_held_out_voice(voice_set):
+    """Every voice set draws only training voices: never the slt speaker (any engine) or pico."""
+    import random
+
+    from training.corpus import HELD_OUT, sample_voice
+
+    rng = random.Random(0)
+    labels = {sample_voice(rng, voice_set).label for _ in range(20_000)}
+    assert not labels & {*HELD_OUT, "rhvoice_slt"}
+    assert not [label for label in labels if "slt" in label or label.startswith("pico")]
+    engines = {label.split("_")[0] for label in labels}
+    assert engines == ({"rhvoice"} if voice_set == "rhvoice" else {"espeak", "flite", "festival"}), engines
