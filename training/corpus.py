@@ -1,6 +1,7 @@
 """Build the synthetic training and evaluation corpus (reproducible from a seed).
 
-    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 28 --seed 1
+    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 35 --seed 1
+    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 9 --seed 1 --voice-set rhvoice
 
 Writes ``<out>/sentences.json`` (the train / eval sentence split), ``<out>/eval/<group>.npz`` (held-out
 sentences spoken by held-out voices, and by training voices) and ``<out>/train/shard_NNNNN.npz`` shards of
@@ -10,8 +11,9 @@ the shard directory every epoch). Each shard holds ``audio`` (int16, 16 kHz, utt
 
 Voices (see ``training/README.md``): espeak-ng English accents x variants (female variants over-weighted),
 mbrola us1/us2/us3/en1 through espeak-ng, flite kal/kal16/awb/rms, festival kal_diphone/ked_diphone, with
-random rate and pitch; some male-voice utterances are pitch/formant shifted up with sox. Held out and never
-synthesized into ``train/``: flite ``slt``, festival ``cmu_us_slt_arctic_hts``, pico2wave en-US / en-GB.
+random rate and pitch; some male-voice utterances are pitch/formant shifted up with sox. ``--voice-set rhvoice``
+adds RHVoice clb/bdl/alan shards (``shard_rh_NNNNN.npz``) beside them. Held out and never synthesized into
+``train/``: flite ``slt``, festival ``cmu_us_slt_arctic_hts``, RHVoice ``slt``, pico2wave en-US / en-GB.
 Augmentation (noise, reverb, telephone band, speed, gain) is NOT applied here: the trainer does it fresh
 every time a sample is drawn.
 """
