@@ -419,11 +419,12 @@ def main(argv: list[str] | None = None) -> None:
     target = args.hours * 3600 * SAMPLE_RATE
     done, shard, started = 0, 0, time.time()
     prefix = VOICE_SETS[args.voice_set]
+    workers = max(1, args.workers)
     pending: dict[concurrent.futures.Future, int] = {}
-    with concurrent.futures.ProcessPoolExecutor(max(1, args.workers)) as pool:
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
         while done < target or pending:
             # Existing shards count as done: a rerun resumes where it stopped.
-            while done < target and len(pending) < max(1, args.workers):
+            while done < target and len(pending) < workers:
                 path = out / "train" / f"{prefix}{shard:05d}.npz"
                 if path.exists():
                     with np.load(path) as z:
@@ -432,8 +433,6 @@ def main(argv: list[str] | None = None) -> None:
                     job = pool.submit(build_shard, out, args.voice_set, args.seed, shard, args.shard_size, train)
                     pending[job] = shard
                 shard += 1
-            if not pending:
-                break
             finished, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
             for job in finished:
                 index = pending.pop(job)

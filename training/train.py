@@ -317,19 +317,28 @@ def main(argv: list[str] | None = None) -> None:
     if not names:
         raise SystemExit(f"no shards under {args.corpus / 'train'}")
 
+    # Weights: a run resumes from its last.pt, or starts from --init's weights, or from scratch.
+    last_path = args.run / "last.pt"
+    ck = torch.load(last_path, weights_only=False) if last_path.exists() else None
+    weights = None
+    if ck is not None:
+        config, weights = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
+    elif args.init is not None and args.init.is_dir():  # a model directory, e.g. the shipped default model
+        shipped = load_model(args.init)
+        config, weights = shipped.config, shipped.state_dict()
+    elif args.init is not None:
+        init = torch.load(args.init, weights_only=False)
+        config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
+    model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
+
     py_rng = random.Random(args.seed)
     np_rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    model, opt = model_and_optimizer(config, None, args.weight_decay, args.peak_lr)
     step, epoch, batch_index, audio_seen, train_seconds = 0, 0, 0, 0.0, 0.0
     epoch_shards: list[str] | None = None
     best_cer = float("inf")
-    last_path = args.run / "last.pt"
-    if last_path.exists():
-        ck = torch.load(last_path, weights_only=False)
-        config = ConvCtcConfig.from_dict(ck["config"])
-        model, opt = model_and_optimizer(config, ck["model"], args.weight_decay, args.peak_lr)
+    if ck is not None:
         opt.load_state_dict(ck["optimizer"])
         step, epoch, batch_index = ck["step"], ck["epoch"], ck["batch_index"]
         audio_seen, train_seconds, best_cer = ck["audio_seen"], ck["train_seconds"], ck["best_cer"]
@@ -340,15 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_rng_state(ck["rng"]["torch_global"])
         log({"event": "resumed", "step": step, "epoch": epoch, "batch_index": batch_index})
     else:
-        if args.init is not None:
-            if args.init.is_dir():  # a model directory, e.g. the shipped default model
-                shipped = load_model(args.init)
-                config, state = shipped.config, shipped.state_dict()
-            else:
-                ck = torch.load(args.init, weights_only=False)
-                config, state = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
-            model, opt = model_and_optimizer(config, state, args.weight_decay, args.peak_lr)
-        else:
+        if weights is None:
             shift, scale = feature_stats(model, corpus, names, np_rng)
             model.features.shift.copy_(shift)
             model.features.scale.copy_(scale)
