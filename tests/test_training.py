@@ -197,7 +197,7 @@ def test_export_averages_checkpoint_weights(trained, tmp_path):
         torch.testing.assert_close(value, base + 0.5 if value.is_floating_point() else base)
 
 
-@pytest.mark.parametrize("voice_set", ["base", "rhvoice"])
+@pytest.mark.parametrize("voice_set", ["base", "rhvoice", "diphone"])
 def test_training_voices_never_include_a_held_out_voice(voice_set):
     """Every voice set draws only training voices: never the slt speaker (any engine) or pico."""
     import random
@@ -209,4 +209,7 @@ def test_training_voices_never_include_a_held_out_voice(voice_set):
     assert not labels & {*HELD_OUT, "rhvoice_slt"}
     assert not [label for label in labels if "slt" in label or label.startswith("pico")]
     engines = {label.split("_")[0] for label in labels}
-    assert engines == ({"rhvoice"} if voice_set == "rhvoice" else {"espeak", "flite", "festival"}), engines
+    expected = {"base": {"espeak", "flite", "festival"}, "rhvoice": {"rhvoice"}, "diphone": {"espeak", "festival"}}
+    assert engines == expected[voice_set], engines
+    if voice_set == "diphone":  # its own speakers only, none of base's
+        assert not labels & {sample_voice(rng, "base").label for _ in range(20_000)}

@@ -2,6 +2,7 @@
 
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 35 --seed 1
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 9 --seed 1 --voice-set rhvoice
+    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 9 --seed 1 --voice-set diphone
 
 Writes ``<out>/sentences.json`` (the train / eval sentence split), ``<out>/eval/<group>.npz`` (held-out
 sentences spoken by held-out voices, and by training voices) and ``<out>/train/shard_NNNNN.npz`` shards of
@@ -12,7 +13,8 @@ the shard directory every epoch). Each shard holds ``audio`` (int16, 16 kHz, utt
 Voices (see ``training/README.md``): espeak-ng English accents x variants (female variants over-weighted),
 mbrola us1/us2/us3/en1 through espeak-ng, flite kal/kal16/awb/rms, festival kal_diphone/ked_diphone, with
 random rate and pitch; some male-voice utterances are pitch/formant shifted up with sox. ``--voice-set rhvoice``
-adds RHVoice clb/bdl/alan shards (``shard_rh_NNNNN.npz``) beside them. Held out and never synthesized into
+adds RHVoice clb/bdl/alan shards (``shard_rh_NNNNN.npz``) beside them, ``--voice-set diphone`` English through
+fifteen non-English mbrola speakers and festival's rab/don/us1-3 (``shard_dp_NNNNN.npz``). Held out and never synthesized into
 ``train/``: flite ``slt``, festival ``cmu_us_slt_arctic_hts``, RHVoice ``slt``, pico2wave en-US / en-GB.
 Augmentation (noise, reverb, telephone band, speed, gain) is NOT applied here: the trainer does it fresh
 every time a sample is drawn.
@@ -123,14 +125,39 @@ FESTIVAL = [("kal_diphone", "m"), ("ked_diphone", "m")]
 # speakers, LGPL-2.1+. clb (female) twice as often. Its ``slt`` is the held-out speaker; ``lyubov`` and
 # ``evgeniy-eng`` are CC-BY-NC-ND and not used.
 RHVOICE = [("clb", "f"), ("clb", "f"), ("bdl", "m"), ("alan", "m")]
+# The ``diphone`` set: real speakers' diphone recordings not in ``base``. espeak-ng reads English with
+# mbrola's German, French, Polish, Swedish, Afrikaans, Hungarian, Dutch and Romanian databases (Debian
+# non-free ``mbrola-*``: English with those speakers' accents; six female speakers, none in ``base``),
+# and festival's own voices: rab (British male), don (10 kHz) and mbrola us1/us2/us3 under festival's
+# front end and prosody (``festvox-rablpc16k``, ``festvox-don``, ``festvox-us1/2/3``).
+MBROLA_ACCENTED = [
+    ("mb-de1-en", "f"),
+    ("mb-de3-en", "f"),
+    ("mb-de5-en", "f"),
+    ("mb-fr4-en", "f"),
+    ("mb-pl1-en", "f"),
+    ("mb-sw2-en", "f"),
+    ("mb-af1-en", "m"),
+    ("mb-de2-en", "m"),
+    ("mb-de4-en", "m"),
+    ("mb-de6-en", "m"),
+    ("mb-fr1-en", "m"),
+    ("mb-hu1-en", "m"),
+    ("mb-nl2-en", "m"),
+    ("mb-ro1-en", "m"),
+    ("mb-sw1-en", "m"),
+]
+FESTIVAL_MORE = [("us1_mbrola", "f"), ("us1_mbrola", "f"), ("rab_diphone", "m"), ("don_diphone", "m")]
+FESTIVAL_MORE += [("us2_mbrola", "m"), ("us3_mbrola", "m")]
 
 # Held-out (evaluation only) voices; the held-out mean is over these four. ``rhvoice_slt`` (the same
 # speaker through a third engine) is held out too and reported beside them.
 HELD_OUT = ["flite_slt", "festival_slt_hts", "pico_en-US", "pico_en-GB"]
 
-# Training voice sets: ``base`` (espeak-ng, mbrola, flite, festival; ``shard_NNNNN.npz``) and ``rhvoice``
-# (``shard_rh_NNNNN.npz``), each resumable and reproducible on its own from the seed.
-VOICE_SETS = {"base": "shard_", "rhvoice": "shard_rh_"}
+# Training voice sets: ``base`` (espeak-ng, mbrola, flite, festival; ``shard_NNNNN.npz``), ``rhvoice``
+# (``shard_rh_NNNNN.npz``) and ``diphone`` (``shard_dp_NNNNN.npz``), each resumable and reproducible on
+# its own from the seed.
+VOICE_SETS = {"base": "shard_", "rhvoice": "shard_rh_", "diphone": "shard_dp_"}
 
 
 @dataclass
@@ -156,6 +183,18 @@ def sample_voice(rng: random.Random, voice_set: str = "base") -> Voice:
         name, sex = rng.choice(RHVOICE)
         voice = Voice("rhvoice", name, rate=rng.uniform(0.75, 1.35), pitch=rng.uniform(0.8, 1.3))
         if sex == "m" and rng.random() < 0.35:
+            voice.shift_cents = rng.randint(300, 700)
+        return voice
+    if voice_set == "diphone":
+        if rng.random() < 0.6:
+            # Female speakers half of the time (they are 6 of 15).
+            want = "f" if rng.random() < 0.5 else "m"
+            name, sex = rng.choice([v for v in MBROLA_ACCENTED if v[1] == want])
+            voice = Voice("espeak", name, rate=rng.uniform(0.8, 1.3), pitch=rng.uniform(30, 80))
+        else:
+            name, sex = rng.choice(FESTIVAL_MORE)
+            voice = Voice("festival", name, rate=rng.uniform(0.8, 1.25))
+        if sex == "m" and rng.random() < 0.3:
             voice.shift_cents = rng.randint(300, 700)
         return voice
     r = rng.random()
