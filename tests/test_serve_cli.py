@@ -152,6 +152,56 @@ def test_serve_drains_on_sigterm(served):
     assert process.wait(30) == 0, "".join(log)
 
 
+# A channel of its own connection (gRPC otherwise shares one connection among a process's channels).
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def server_info_from_fresh_channels(address: str, n: int) -> list[int]:
+    """``active_sessions`` as n new connections see it (SO_REUSEPORT spreads them over the frontends)."""
+    counts = []
+    for _ in range(n):
+        with grpc.insecure_channel(address, options=OWN_CONNECTION) as channel:
+            info = pb_grpc.CosyStreamStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            counts.append(info.active_sessions)
+    return counts
+
+
+def test_server_info_counts_the_sessions_of_every_frontend(served):
+    """GetServerInfo.active_sessions is the server's count, whichever frontend answers."""
+    _, port, _, log = served
+    address = f"127.0.0.1:{port}"
+    wait_serving(address)
+    # The second frontend joins the port once its decoder is loaded; until then the first takes every call.
+    deadline = time.monotonic() + 30
+    while not any("frontend-1" in line and "serving on" in line for line in log):
+        assert time.monotonic() < deadline, "".join(log)
+        time.sleep(0.1)
+    release = threading.Event()
+
+    def requests():
+        yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig(sample_rate_hz=16000))
+        while not release.wait(0.05):
+            yield pb.StreamingRecognizeRequest(audio=b"\0" * 1600)
+
+    # Six streams, each on its own connection: spread over both frontends.
+    channels = [grpc.insecure_channel(address, options=OWN_CONNECTION) for _ in range(6)]
+    calls = [pb_grpc.CosyStreamStub(c).StreamingRecognize(requests(), timeout=60) for c in channels]
+    try:
+        deadline = time.monotonic() + 10
+        while (counts := server_info_from_fresh_channels(address, 10)) != [6] * 10:
+            assert time.monotonic() < deadline, f"active_sessions seen: {counts}\n" + "".join(log)
+            time.sleep(0.2)
+    finally:
+        release.set()
+        for call, channel in zip(calls, channels, strict=True):
+            call.cancel()
+            channel.close()
+    deadline = time.monotonic() + 10
+    while (counts := server_info_from_fresh_channels(address, 4)) != [0] * 4:
+        assert time.monotonic() < deadline, f"slots not freed: {counts}"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -207,6 +207,15 @@ class EngineCore:
             )
         return plan
 
+    @property
+    def session_count(self) -> int:
+        """Sessions holding a slot, from every frontend."""
+        return len(self._slot_of)
+
+    def post(self, frontend: int, event: tuple) -> None:
+        """Queue an event for ``frontend`` in its next message."""
+        self._box(frontend).events.append(event)
+
     def active_sessions(self) -> dict[str, int]:
         counts = {p.name.lower(): 0 for p in Priority}
         for slot in self._slot_of.values():

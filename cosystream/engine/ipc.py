@@ -30,6 +30,7 @@ HELLO = 10  # (HELLO, info: dict): the engine is warm; sent once per frontend
 OPENED = 11  # (OPENED, key)
 REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
 SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
+ACTIVE = 14  # (ACTIVE, sessions): slots held on the engine, all frontends; sent to every frontend on change
 
 
 @dataclass(slots=True)

@@ -162,6 +162,7 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
     frontends: dict[Connection, int] = {}
     next_id = 0
     last_metrics = 0.0
+    announced = -1  # the session count frontends were last told
     last_stats = time.monotonic()
     logged = dataclasses.replace(core.scheduler.stats)
     try:
@@ -171,6 +172,7 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
                 conn.send(ipc.ToFrontend(events=[(ipc.HELLO, info)]).pack())
                 frontends[conn] = next_id
                 next_id += 1
+                announced = -1  # the new frontend learns the session count
             ready = wait(list(frontends), timeout=core.wait_s(IDLE_WAIT_S)) if frontends else []
             if not frontends:
                 time.sleep(IDLE_WAIT_S)
@@ -183,6 +185,10 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
                     continue
                 core.handle(frontends[conn], message)
             core.step()
+            if frontends and core.session_count != announced:
+                announced = core.session_count
+                for frontend in frontends.values():
+                    core.post(frontend, (ipc.ACTIVE, announced))
             boxes = core.take_outbox()
             if boxes:
                 by_id = {frontend: conn for conn, frontend in frontends.items()}

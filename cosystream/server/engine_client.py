@@ -43,6 +43,7 @@ class EngineClient:
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sinks: dict[int, SessionSink] = {}
+        self._engine_sessions = 0
         self._next_key = 0
         self._pending = ipc.ToEngine()
         self._flush_scheduled = False
@@ -117,7 +118,8 @@ class EngineClient:
 
     @property
     def active_sessions(self) -> int:
-        return len(self._sinks)
+        """Sessions holding an engine slot, from every frontend (as of the engine's last message)."""
+        return self._engine_sessions
 
     # --- the channel -------------------------------------------------------------------------------
 
@@ -151,6 +153,9 @@ class EngineClient:
             self._lost()
             return
         for event in events:
+            if event[0] == ipc.ACTIVE:
+                self._engine_sessions = event[1]
+                continue
             sink = self._sinks.get(event[1])
             if sink is None:
                 continue
@@ -166,6 +171,7 @@ class EngineClient:
 
     def _lost(self) -> None:
         sinks, self._sinks = self._sinks, {}
+        self._engine_sessions = 0
         self.close_connection()
         for sink in sinks.values():
             sink.on_engine_lost()
