@@ -2,7 +2,7 @@
 
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 35 --seed 1
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 9 --seed 1 --voice-set rhvoice
-    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 9 --seed 1 --voice-set diphone
+    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 10 --seed 1 --voice-set diphone
 
 Writes ``<out>/sentences.json`` (the train / eval sentence split), ``<out>/eval/<group>.npz`` (held-out
 sentences spoken by held-out voices, and by training voices) and ``<out>/train/shard_NNNNN.npz`` shards of
