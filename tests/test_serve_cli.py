@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.servers import HeldStream
 from tests.speech import encode, needs_espeak, silence, speech
 
 pytestmark = needs_espeak
@@ -176,25 +177,17 @@ def test_server_info_counts_the_sessions_of_every_frontend(served):
     while not any("frontend-1" in line and "serving on" in line for line in log):
         assert time.monotonic() < deadline, "".join(log)
         time.sleep(0.1)
-    release = threading.Event()
-
-    def requests():
-        yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig(sample_rate_hz=16000))
-        while not release.wait(0.05):
-            yield pb.StreamingRecognizeRequest(audio=b"\0" * 1600)
-
     # Six streams, each on its own connection: spread over both frontends.
     channels = [grpc.insecure_channel(address, options=OWN_CONNECTION) for _ in range(6)]
-    calls = [pb_grpc.CosyStreamStub(c).StreamingRecognize(requests(), timeout=60) for c in channels]
+    held = [HeldStream(pb_grpc.CosyStreamStub(channel)) for channel in channels]
     try:
         deadline = time.monotonic() + 10
         while (counts := server_info_from_fresh_channels(address, 10)) != [6] * 10:
             assert time.monotonic() < deadline, f"active_sessions seen: {counts}\n" + "".join(log)
             time.sleep(0.2)
     finally:
-        release.set()
-        for call, channel in zip(calls, channels, strict=True):
-            call.cancel()
+        for stream, channel in zip(held, channels, strict=True):
+            stream.close()
             channel.close()
     deadline = time.monotonic() + 10
     while (counts := server_info_from_fresh_channels(address, 4)) != [0] * 4:

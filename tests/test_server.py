@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cosystream.server.decoding import DecoderConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from tests.servers import local_server
+from tests.servers import HeldStream, local_server
 from tests.speech import encode, needs_espeak, silence, speech
 
 pytestmark = needs_espeak
@@ -297,34 +297,6 @@ def test_idle_timeout(stub):
 
 
 # --- slots -----------------------------------------------------------------------------------------
-
-
-class HeldStream:
-    """A stream that stays open until released (or cancelled)."""
-
-    def __init__(self, stub, priority=pb.REALTIME):
-        self.release = threading.Event()
-        self.first = config(priority=priority)
-        self.call = stub.StreamingRecognize(self._requests(), timeout=60)
-        self.collected: list = []
-        self.error: grpc.RpcError | None = None
-        self.thread = threading.Thread(target=self._collect)
-        self.thread.start()
-
-    def _requests(self):
-        yield self.first
-        while not self.release.wait(0.05):
-            yield pb.StreamingRecognizeRequest(audio=b"\0" * 320)
-
-    def _collect(self):
-        try:
-            self.collected = list(self.call)
-        except grpc.RpcError as err:
-            self.error = err
-
-    def close(self):
-        self.release.set()
-        self.thread.join(30)
 
 
 def wait_active(stub, expected: int, timeout_s: float = 5.0):
