@@ -147,8 +147,14 @@ MBROLA_ACCENTED = [
     ("mb-ro1-en", "m"),
     ("mb-sw1-en", "m"),
 ]
-FESTIVAL_MORE = [("us1_mbrola", "f"), ("us1_mbrola", "f"), ("rab_diphone", "m"), ("don_diphone", "m")]
-FESTIVAL_MORE += [("us2_mbrola", "m"), ("us3_mbrola", "m")]
+FESTIVAL_MORE = [
+    ("us1_mbrola", "f"),
+    ("us1_mbrola", "f"),
+    ("rab_diphone", "m"),
+    ("don_diphone", "m"),
+    ("us2_mbrola", "m"),
+    ("us3_mbrola", "m"),
+]
 
 # Held-out (evaluation only) voices; the held-out mean is over these four. ``rhvoice_slt`` (the same
 # speaker through a third engine) is held out too and reported beside them.
