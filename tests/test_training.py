@@ -213,3 +213,90 @@ def test_training_voices_never_include_a_held_out_voice(voice_set):
     assert engines == expected[voice_set], engines
     if voice_set == "diphone":  # its own speakers only, none of base's
         assert not labels & {sample_voice(rng, "base").label for _ in range(20_000)}
+
+
+def test_a_batch_is_the_same_whichever_process_makes_it(trained):
+    """Augmentation is seeded per batch, so --workers changes the speed of a run, not its data."""
+    from training import train
+
+    corpus = train.Corpus(trained.parent / "corpus")
+    names = corpus.refresh()
+    batches = train.make_batches(corpus.items(names), 6.0, 12.0, __import__("random").Random(0))
+    vocab = {c: i for i, c in enumerate(train.default_config().vocabulary)}
+    source = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)
+
+    def load(workers: int) -> list[dict]:
+        loader = torch.utils.data.DataLoader(source, batch_size=None, num_workers=workers)
+        return list(loader)
+
+    here, there = load(0), load(2)
+    assert len(here) == len(batches) >= 2
+    for a, b in zip(here, there, strict=True):
+        for key in ("audio", "in_lengths", "targets", "tgt_lengths", "time_mask", "freq_mask"):
+            assert torch.equal(a[key], b[key]), key
+    assert here[0]["time_mask"].any() and here[0]["freq_mask"].any()
+    # Another epoch (or seed) draws other augmentations of the same utterances.
+    other = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=2, first=0, augment_on=True)[0]
+    assert torch.equal(other["targets"], here[0]["targets"]) and not torch.equal(other["audio"], here[0]["audio"])
+
+
+def test_time_boxed_run(trained, tmp_path):
+    """``--minutes``: the run stops on time, the learning rate follows the time spent down its cosine, and
+    snapshots start at ``--snapshot-progress``."""
+    from training import train
+
+    run = tmp_path / "boxed"
+    args = ["--corpus", str(trained.parent / "corpus"), "--run", str(run), "--minutes", "0.1", "--warmup", "2"]
+    args += ["--peak-lr", "1e-3", "--log-every", "1", "--eval-limit", "1", "--batch-seconds", "10"]
+    args += ["--checkpoint-minutes", "0", "--snapshot-progress", "0.5", "--config", json.dumps(TINY)]
+    train.main(args)
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("event") == "train"]
+    assert len(steps) >= 5
+    assert steps[-1]["lr"] < 0.5e-3 < max(r["lr"] for r in steps)
+    snaps = sorted(int(p.stem.split("_")[1]) for p in run.glob("snap_*.pt"))
+    assert snaps and 1 < snaps[0] <= steps[-1]["step"]
+    assert records[-1]["event"] == "done"
+
+
+def test_opus_pack_round_trip(trained, tmp_path):
+    """A pack of the corpus decodes into shards of the same utterances, texts and voices, close in the features
+    the model sees."""
+    pytest.importorskip("soundfile")
+    from cosystream.models.features import LogMel
+    from training import pack
+    from training.corpus import load_shard
+
+    corpus = trained.parent / "corpus"
+    pack.main(
+        [
+            "build",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(tmp_path / "p"),
+            "--megabytes",
+            "1",
+            "--eval-per-group",
+            "1",
+            "--workers",
+            "1",
+            "--espeak-share",
+            "1",
+        ]
+    )
+    pack.main(["unpack", str(tmp_path / "p"), "--corpus", str(tmp_path / "c"), "--workers", "1"])
+    audio, offsets, texts, voices = load_shard(corpus / "train" / "shard_00000.npz")
+    (shard,) = (tmp_path / "c" / "train").glob("shard_op_p_*.npz")
+    audio2, offsets2, texts2, voices2 = load_shard(shard)
+    where = {(t, v): j for j, (t, v) in enumerate(zip(texts, voices, strict=True))}
+    assert sorted(zip(texts2, voices2, strict=True)) == sorted(where)
+    assert (tmp_path / "c" / "eval" / "train_voices.npz").exists()
+    mel = LogMel(400, 80, 16000, 20.0, 7600.0)
+    for i, (text, voice) in enumerate(zip(texts2, voices2, strict=True)):
+        j = where[text, voice]
+        a = torch.from_numpy(audio[offsets[j] : offsets[j + 1]] / 32768.0).float()
+        b = torch.from_numpy(audio2[offsets2[i] : offsets2[i + 1]] / 32768.0).float()
+        assert a.shape == b.shape
+        fa, fb = (mel(x.unfold(0, 400, 160)) for x in (a, b))
+        assert (fa - fb).abs().mean() < 0.25 * fa.std(), text

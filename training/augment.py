@@ -2,7 +2,7 @@
 
 Waveform (numpy, 16 kHz float32): speed +-15 % (resampling, so pitch moves with it), simple synthetic
 reverb, leading/trailing silence, additive coloured noise at 5-30 dB SNR, 8 kHz telephone band with mu-law or
-A-law round trips, gain. Features (torch): SpecAugment-style frequency and time masks.
+A-law round trips, gain. Features: SpecAugment-style frequency and time masks.
 """
 
 from __future__ import annotations
@@ -120,19 +120,30 @@ def augment(x: np.ndarray, rng: np.random.Generator, strength: float = 1.0) -> n
     return (x * gain).astype(np.float32)
 
 
-def spec_augment(features: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Frequency masks (2 x up to 12 bins) and time masks (~1 per second, up to 25 frames) per utterance."""
-    batch, _, bins = features.shape
-    out = features.clone()
-    rand = lambda hi: int(torch.randint(0, max(1, hi), (1,), generator=generator))  # noqa: E731
-    for b in range(batch):
+def spec_masks(
+    frames: list[int], bins: int, rng: np.random.Generator, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """SpecAugment-style masks for a batch: ``(time [B, T], freq [B, bins])``, True where masked.
+
+    Per utterance two frequency masks of up to 12 bins, and about one time mask per second (up to 25
+    frames) inside its ``frames`` valid frames. Drawn on the CPU (in data-loading workers) and applied on
+    the training device with one multiply (``apply_masks``)."""
+    width = max(frames) if width is None else width
+    time = np.zeros((len(frames), width), bool)
+    freq = np.zeros((len(frames), bins), bool)
+    for b, length in enumerate(frames):
         for _ in range(2):
-            width = rand(13)
-            start = rand(bins - width)
-            out[b, :, start : start + width] = 0.0
-        length = int(lengths[b])
+            w = int(rng.integers(0, 13))
+            start = int(rng.integers(0, max(1, bins - w)))
+            freq[b, start : start + w] = True
         for _ in range(length // 100):
-            width = rand(26)
-            start = rand(length - width)
-            out[b, start : start + width, :] = 0.0
-    return out
+            w = int(rng.integers(0, 26))
+            start = int(rng.integers(0, max(1, length - w)))
+            time[b, start : start + w] = True
+    return time, freq
+
+
+def apply_masks(features: torch.Tensor, time: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """Zero (the normalized mean) the masked frames and bins of ``features [B, T, bins]``."""
+    keep = (~time[:, : features.shape[1], None]) & (~freq[:, None, :])
+    return features * keep.to(features.dtype)

@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lm", type=Path, default=Path("cosystream/models/default/lm.arpa.gz"))
+    p.add_argument(
+        "--save-checkpoint",
+        type=Path,
+        default=None,
+        help="also write the (averaged) weights as a checkpoint without optimizer state: small to copy "
+        "off a training machine and export or evaluate elsewhere",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.lm.is_file() and args.lm.resolve() != (args.out / "lm.arpa.gz").resolve():
         shutil.copyfile(args.lm, args.out / "lm.arpa.gz")
     print(f"exported step {ck['step']} ({ck['audio_seen'] / 3600:.1f} h of audio seen) to {args.out}")
+    if args.save_checkpoint is not None:
+        light = {k: ck[k] for k in ("config", "step", "epoch", "audio_seen", "train_seconds")}
+        torch.save({**light, "model": model.state_dict()}, args.save_checkpoint)
     if args.no_eval:
         return
     from cosystream.server.decoding import DecoderConfig, DecoderFactory

@@ -3,11 +3,13 @@
     nohup nice -n 10 .venv/bin/python -m training.train --corpus data/corpus --run runs/en1 \\
         --total-steps 9000 > runs/en1.out 2>&1 &
 
-Rerunning the same command resumes from ``runs/<name>/last.pt`` (model, optimizer, step, epoch position,
-all RNG states). ``runs/<name>/log.jsonl`` gets one line per logging interval (training loss, learning
+Rerunning the same command resumes from ``runs/<name>/last.pt`` (model, optimizer, step, epoch position).
+Batch ``i`` of epoch ``e`` is augmented with a generator seeded from ``(seed, e, i)``, so a run is the same
+after a resume and whatever ``--workers`` (data-loading processes) it uses. ``runs/<name>/log.jsonl`` gets one line per logging interval (training loss, learning
 rate, audio seconds seen) and one per evaluation (greedy WER/CER per held-out voice group at 16 kHz and after
 an 8 kHz mu-law round trip). ``best.pt`` holds the weights with the lowest mean held-out-voice CER.
-Uses CUDA when available; on CPU it runs on ``--threads`` threads (default 1).
+Uses CUDA when available; on CPU it runs on ``--threads`` threads (default 1). ``--minutes`` time-boxes a
+run (the learning-rate schedule then follows the time spent), e.g. on a rented GPU (``training/gpu.sh``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from cosystream.models import load_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
-from training.augment import augment, spec_augment, telephone
+from training.augment import apply_masks, augment, spec_masks, telephone
 from training.corpus import HELD_OUT, load_shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +97,51 @@ def make_batches(items, max_seconds: float, max_utterance_s: float, rng: random.
 
 def encode_text(text: str, vocab: dict[str, int]) -> list[int]:
     return [vocab[c] for c in text if c in vocab]
+
+
+class BatchSource(torch.utils.data.Dataset):
+    """Batch ``i`` of an epoch's plan, augmented with a generator seeded from ``(seed, epoch, i)``: the same
+    batch whichever process makes it (``--workers``) and after a resume.
+
+    An item is a dict: ``audio [B, N]`` (zero-padded), ``in_lengths`` (frames), ``targets`` (flat),
+    ``tgt_lengths``, ``seconds`` (unpadded audio), and ``time_mask [B, T]`` / ``freq_mask [B, n_mels]`` for
+    SpecAugment (``None`` without augmentation)."""
+
+    def __init__(self, corpus, batches, vocab, n_mels: int, seed: int, epoch: int, first: int, augment_on: bool):
+        self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
+        self.seed, self.epoch, self.first, self.augment_on = seed, epoch, first, augment_on
+
+    def __len__(self) -> int:
+        return len(self.batches) - self.first
+
+    def __getitem__(self, i: int) -> dict:
+        index = self.first + i
+        rng = np.random.default_rng([self.seed, self.epoch, index])
+        pcms, targets = [], []
+        for name, idx, _ in self.batches[index]:
+            pcm, text = self.corpus.get(name, idx)
+            pcms.append(augment(pcm, rng) if self.augment_on else pcm)
+            targets.append(encode_text(text, self.vocab))
+        audio = torch.zeros(len(pcms), max(x.size for x in pcms))
+        for row, x in enumerate(pcms):
+            audio[row, : x.size] = torch.from_numpy(x)
+        frames = [x.size // HOP for x in pcms]
+        masks = (None, None)
+        if self.augment_on:
+            masks = tuple(torch.from_numpy(m) for m in spec_masks(frames, self.n_mels, rng, audio.shape[1] // HOP))
+        return {
+            "audio": audio,
+            "in_lengths": torch.tensor(frames),
+            "targets": torch.tensor([c for t in targets for c in t], dtype=torch.long),
+            "tgt_lengths": torch.tensor([len(t) for t in targets]),
+            "seconds": float(sum(x.size for x in pcms)) / 16000,
+            "time_mask": masks[0],
+            "freq_mask": masks[1],
+        }
+
+
+def _one_thread(_worker: int) -> None:
+    torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------- metrics
@@ -220,20 +267,17 @@ def feature_stats(model: ConvCtcModel, corpus: Corpus, names: list[str], rng: np
     return mean, 1.0 / std
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.03) -> float:
+def lr_at(
+    step: int, peak: float, warmup: int, total: int, floor: float = 0.03, progress: float | None = None
+) -> float:
+    """Linear warmup over ``warmup`` steps, then a cosine to ``floor * peak`` over the rest of ``total``
+    steps, or, when given, over ``progress`` (0..1, e.g. the fraction of a time budget spent)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if progress is None:
+        progress = (step - warmup) / max(1, total - warmup)
+    progress = min(1.0, progress)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def rng_state(py: random.Random, np_rng: np.random.Generator, gen: torch.Generator) -> dict:
-    return {
-        "python": py.getstate(),
-        "numpy": np_rng.bit_generator.state,
-        "torch": gen.get_state(),
-        "torch_global": torch.get_rng_state(),
-    }
 
 
 def save_checkpoint(path: Path, **state) -> None:
@@ -278,6 +322,26 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="from this step on, every checkpoint is also kept as snap_<step>.pt (for export --average)",
+    )
+    p.add_argument(
+        "--snapshot-progress",
+        type=float,
+        default=None,
+        help="like --snapshots-from, as a fraction of the schedule (steps, or --minutes)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="time-boxed run: stop after this many minutes of training (resumes included); the cosine "
+        "schedule runs over this time instead of --total-steps",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="data-loading processes that augment batches (0: in the training process); a batch is the "
+        "same whatever the count",
     )
     p.add_argument("--eval-minutes", type=float, default=10.0)
     p.add_argument("--eval-limit", type=int, default=50, help="utterances per group in periodic evals")
@@ -331,9 +395,6 @@ def main(argv: list[str] | None = None) -> None:
         config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
     model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
 
-    py_rng = random.Random(args.seed)
-    np_rng = np.random.default_rng(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     step, epoch, batch_index, audio_seen, train_seconds = 0, 0, 0, 0.0, 0.0
     epoch_shards: list[str] | None = None
@@ -343,14 +404,11 @@ def main(argv: list[str] | None = None) -> None:
         step, epoch, batch_index = ck["step"], ck["epoch"], ck["batch_index"]
         audio_seen, train_seconds, best_cer = ck["audio_seen"], ck["train_seconds"], ck["best_cer"]
         epoch_shards = ck["epoch_shards"]
-        py_rng.setstate(ck["rng"]["python"])
-        np_rng.bit_generator.state = ck["rng"]["numpy"]
-        gen.set_state(ck["rng"]["torch"])
         torch.set_rng_state(ck["rng"]["torch_global"])
         log({"event": "resumed", "step": step, "epoch": epoch, "batch_index": batch_index})
     else:
         if weights is None:
-            shift, scale = feature_stats(model, corpus, names, np_rng)
+            shift, scale = feature_stats(model, corpus, names, np.random.default_rng(args.seed))
             model.features.shift.copy_(shift)
             model.features.scale.copy_(scale)
         log(
@@ -386,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
             audio_seen=audio_seen,
             train_seconds=train_seconds,
             best_cer=best_cer,
-            rng=rng_state(py_rng, np_rng, gen),
+            rng={"torch_global": torch.get_rng_state()},
         )
 
     def run_eval() -> None:
@@ -409,11 +467,19 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint(args.run / "best.pt")
             log({"event": "best", "step": step, "held_out_mean": res["held_out_mean"]})
 
+    budget_s = None if args.minutes is None else args.minutes * 60
+
+    def progress() -> float:
+        return train_seconds / budget_s if budget_s else step / max(1, args.total_steps)
+
+    def more() -> bool:
+        return step < max_steps and (budget_s is None or train_seconds < budget_s)
+
     last_ckpt = last_eval = time.time()
     loss_sum = loss_n = 0.0
     t_interval = time.time()
     model.train()
-    while step < max_steps:
+    while more():
         if epoch_shards is None:
             epoch_shards = corpus.refresh()
             batch_index = 0
@@ -432,29 +498,29 @@ def main(argv: list[str] | None = None) -> None:
                     "batches": len(batches),
                 }
             )
-        while batch_index < len(batches) and step < max_steps:
-            t0 = time.time()
-            batch = batches[batch_index]
-            pcms, targets = [], []
-            for name, idx, _ in batch:
-                pcm, text = corpus.get(name, idx)
-                if not args.no_augment:
-                    pcm = augment(pcm, np_rng)
-                pcms.append(pcm)
-                targets.append(encode_text(text, vocab))
-            longest = max(x.size for x in pcms)
-            audio = torch.zeros(len(pcms), longest)
-            for row, x in enumerate(pcms):
-                audio[row, : x.size] = torch.from_numpy(x)
-            in_lengths = torch.tensor([x.size // HOP for x in pcms])
-            tgt_lengths = torch.tensor([len(t) for t in targets])
-            flat = torch.tensor([c for t in targets for c in t])
+        source = BatchSource(
+            corpus, batches, vocab, config.n_mels, args.seed, epoch, batch_index, not args.no_augment
+        )
+        loader = torch.utils.data.DataLoader(
+            source,
+            batch_size=None,
+            num_workers=args.workers,
+            pin_memory=device.type == "cuda",
+            prefetch_factor=4 if args.workers else None,
+            worker_init_fn=_one_thread if args.workers else None,
+        )
+        t0 = time.time()
+        for batch in loader:
+            if not more():
+                break
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, args.peak_lr, args.warmup, args.total_steps)
-            audio = audio.to(device)
+                group["lr"] = lr_at(
+                    step, args.peak_lr, args.warmup, args.total_steps, progress=progress() if budget_s else None
+                )
+            audio = batch["audio"].to(device, non_blocking=True)
             features = model.log_mel(audio)
-            if not args.no_augment:
-                features = spec_augment(features, in_lengths, gen)
+            if batch["time_mask"] is not None:
+                features = apply_masks(features, batch["time_mask"].to(device), batch["freq_mask"].to(device))
             # bfloat16 for the network's matmuls (AMX / AVX-512-BF16 on recent x86 CPUs, tensor cores on
             # CUDA), float32 weights, features and loss.
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -462,9 +528,9 @@ def main(argv: list[str] | None = None) -> None:
             log_probs = logits.float().log_softmax(-1)
             loss = ctc(
                 log_probs.transpose(0, 1).float().cpu() if device.type != "cuda" else log_probs.transpose(0, 1),
-                flat.to(device) if device.type == "cuda" else flat,
-                in_lengths,
-                tgt_lengths,
+                batch["targets"].to(device) if device.type == "cuda" else batch["targets"],
+                batch["in_lengths"],
+                batch["tgt_lengths"],
             )
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -472,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             step += 1
             batch_index += 1
-            audio_seen += float(sum(x.size for x in pcms)) / 16000
+            audio_seen += batch["seconds"]
             train_seconds += time.time() - t0
             loss_sum += loss.item()
             loss_n += 1
@@ -491,20 +557,24 @@ def main(argv: list[str] | None = None) -> None:
                 loss_sum = loss_n = 0.0
                 t_interval = time.time()
             now = time.time()
-            if now - last_eval > args.eval_minutes * 60:
+            if eval_groups and now - last_eval > args.eval_minutes * 60:
                 run_eval()
                 last_eval = time.time()
             if now - last_ckpt > args.checkpoint_minutes * 60:
                 checkpoint(last_path)
-                if args.snapshots_from is not None and step >= args.snapshots_from:
+                snapshot = args.snapshots_from is not None and step >= args.snapshots_from
+                if snapshot or (args.snapshot_progress is not None and progress() >= args.snapshot_progress):
                     shutil.copyfile(last_path, args.run / f"snap_{step}.pt")
                 last_ckpt = time.time()
+            t0 = time.time()
+        del loader
         if batch_index >= len(batches):
             epoch += 1
             epoch_shards = None
     checkpoint(last_path)
-    run_eval()
-    checkpoint(last_path)
+    if eval_groups:
+        run_eval()
+        checkpoint(last_path)
     log({"event": "done", "step": step, "audio_hours": round(audio_seen / 3600, 2)})
 
 
