@@ -300,3 +300,35 @@ def test_opus_pack_round_trip(trained, tmp_path):
         assert a.shape == b.shape
         fa, fb = (mel(x.unfold(0, 400, 160)) for x in (a, b))
         assert (fa - fb).abs().mean() < 0.25 * fa.std(), text
+
+
+def test_fine_tune_can_append_residual_blocks(trained, tmp_path):
+    """``--init`` with ``--config`` dilations that extend the model's appends blocks that start near the
+    identity: the grown model's first loss is the trained model's, not a fresh model's."""
+    from training import train
+    from training.export import model_from_checkpoint
+
+    small, _ = model_from_checkpoint(trained / "last.pt")
+    config, weights = train.deepen(small.config, small.state_dict(), (1, 2, 4, 8, 16), seed=0)
+    grown = type(small)(config)
+    grown.load_state_dict(weights)
+    pcm = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 16000)).astype(np.float32) * 0.1)
+    with torch.no_grad():
+        before, after = small(pcm), grown.eval()(pcm)
+    assert (after - before).abs().max() < 0.05 * before.abs().max()
+    assert len(grown.blocks) == len(small.blocks) + 2
+
+    def first_loss(run: Path, *extra: str) -> dict:
+        args = ["--corpus", str(trained.parent / "corpus"), "--run", str(run), "--total-steps", "2"]
+        args += ["--max-steps", "1", "--peak-lr", "1e-9", "--no-augment", "--log-every", "1", "--eval-limit", "1"]
+        train.main([*args, *extra])
+        return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+    deeper = json.dumps({**TINY, "dilations": [1, 2, 4, 8, 16]})
+    tuned = first_loss(tmp_path / "tuned", "--init", str(trained / "last.pt"), "--config", deeper)
+    scratch = first_loss(tmp_path / "scratch", "--config", deeper)
+    assert tuned[0]["params"] == scratch[0]["params"] > sum(p.numel() for p in small.parameters())
+    loss = lambda records: next(r["loss"] for r in records if r.get("event") == "train")  # noqa: E731
+    assert loss(tuned) < 0.5 * loss(scratch), (loss(tuned), loss(scratch))
+    with pytest.raises(SystemExit, match="must extend"):
+        train.deepen(small.config, small.state_dict(), (2, 2, 4, 8), seed=0)

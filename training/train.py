@@ -304,6 +304,23 @@ def model_and_optimizer(
     return model, opt
 
 
+def deepen(config: ConvCtcConfig, weights: dict, dilations: tuple[int, ...], seed: int) -> tuple:
+    """``config`` and ``weights`` with residual blocks appended (``dilations`` extends the config's): the new
+    blocks start near the identity (their convolutions at 5% of a fresh initialization; exactly zero would
+    never train, as ReLU passes no gradient at 0), so a fine-tune starts from the trained model's output."""
+    if dilations[: len(config.dilations)] != config.dilations:
+        raise SystemExit(f"--config dilations {list(dilations)} must extend the model's {list(config.dilations)}")
+    grown = ConvCtcConfig.from_dict({**json.loads(config.to_json()), "dilations": dilations})
+    torch.manual_seed(seed)
+    state = ConvCtcModel(grown).state_dict()
+    for k, v in weights.items():
+        state[k] = v.clone()
+    for i in range(len(config.dilations), len(dilations)):
+        state[f"blocks.{i}.conv.weight"] *= 0.05
+        state[f"blocks.{i}.conv.bias"].zero_()
+    return grown, state
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=Path("data/corpus"))
@@ -355,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="fine-tune: a new run starts from the weights and feature normalization of this checkpoint or "
         "model directory (e.g. cosystream/models/default) "
-        "(fresh optimizer and schedule); ignored when the run resumes",
+        "(fresh optimizer and schedule); ignored when the run resumes. With --config dilations that extend "
+        "the model's, the extra residual blocks are appended, starting near the identity",
     )
     p.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast for the network (about 2x faster on CPUs with AMX)"
@@ -393,6 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.init is not None:
         init = torch.load(args.init, weights_only=False)
         config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
+    deeper = json.loads(args.config).get("dilations")
+    if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
+        config, weights = deepen(config, weights, tuple(deeper), args.seed)
     model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
 
     torch.manual_seed(args.seed)
