@@ -8,6 +8,7 @@ largest passing count is the capacity. Prints JSON and a table.
     python benchmarks/capacity.py                        # both modes, 10 and 20 ms chunks
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --counts 40 80 120
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders greedy beam   # decoding's cost
+    python benchmarks/capacity.py --modes engine --chunk-ms 10 --models DIR_A DIR_B     # two models
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": 
 P99_LIMIT_MS = 20.0
 
 
-def measure(mode: str, chunk_ms: int, counts: list[int], duration_s: float, frontends: int, decoder: str) -> dict:
+def measure(
+    mode: str, chunk_ms: int, counts: list[int], duration_s: float, frontends: int, decoder: str, model: str | None
+) -> dict:
     extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends)]
+    extra += ["--model", model] if model else []
     runs = []
     with Server("--max-sessions", str(max(counts) + 8), "--decoder", decoder, *extra) as server:
         for count in counts:
@@ -63,6 +67,7 @@ def measure(mode: str, chunk_ms: int, counts: list[int], duration_s: float, fron
     passing = [r["streams"] for r in runs if r["passed"]]
     return {
         "mode": mode,
+        "model": model or "default",
         "decoder": decoder,
         "chunk_ms": chunk_ms,
         "capacity": max(passing, default=0),
@@ -85,36 +90,45 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "greedy", "beam"],
         help="serve --decoder values",
     )
+    parser.add_argument(
+        "--models", nargs="+", default=[None], help="serve --model directories, measured one after the other"
+    )
     args = parser.parse_args(argv)
+    counts = lambda mode: args.counts or DEFAULT_COUNTS[mode]  # noqa: E731
     results = [
-        measure(mode, chunk_ms, args.counts or DEFAULT_COUNTS[mode], args.duration, args.frontends, decoder)
+        measure(mode, chunk_ms, counts(mode), args.duration, args.frontends, decoder, model)
         for chunk_ms in args.chunk_ms
         for decoder in args.decoders
+        for model in args.models
         for mode in args.modes
     ]
     summary = {"p99_limit_ms": P99_LIMIT_MS, "results": results}
     for chunk_ms in args.chunk_ms:
         for decoder in args.decoders:
-            by_mode = {
-                r["mode"]: r["capacity"] for r in results if (r["chunk_ms"], r["decoder"]) == (chunk_ms, decoder)
-            }
-            if by_mode.get("naive"):
-                summary[f"ratio_{chunk_ms}ms_{decoder}"] = by_mode.get("engine", 0) / by_mode["naive"]
+            for model in {r["model"] for r in results}:
+                key = (chunk_ms, decoder, model)
+                by_mode = {
+                    r["mode"]: r["capacity"] for r in results if (r["chunk_ms"], r["decoder"], r["model"]) == key
+                }
+                if by_mode.get("naive"):
+                    name = f"ratio_{chunk_ms}ms_{decoder}" + (f"_{model}" if len(args.models) > 1 else "")
+                    summary[name] = by_mode.get("engine", 0) / by_mode["naive"]
     dump(summary, args.json)
     print(
-        f"\n{'mode':>6} {'decoder':>7} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8} {'misses':>7}"
-        f" {'cpu ms/s':>9}  pass"
+        f"\n{'model':>10} {'mode':>6} {'decoder':>7} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8}"
+        f" {'misses':>7} {'cpu ms/s':>9}  pass"
     )
     for result in results:
         for run in result["runs"]:
             print(
-                f"{result['mode']:>6} {result['decoder']:>7} {result['chunk_ms']:>4}ms {run['streams']:>8} {run['p50_ms']:>8.1f}"
+                f"{result['model'][-10:]:>10} {result['mode']:>6} {result['decoder']:>7} {result['chunk_ms']:>4}ms"
+                f" {run['streams']:>8} {run['p50_ms']:>8.1f}"
                 f" {run['p99_ms']:>8.1f} {run['deadline_misses']:>7} {run['server_cpu_ms_per_audio_s']:>9.1f}"
                 f"  {'yes' if run['passed'] else 'no'}"
             )
     for result in results:
         print(
-            f"capacity {result['mode']} ({result['decoder']} decoding) at {result['chunk_ms']} ms chunks:"
+            f"capacity {result['mode']} ({result['model']}, {result['decoder']} decoding) at {result['chunk_ms']} ms chunks:"
             f" {result['capacity']} streams"
         )
     for key, value in summary.items():
