@@ -1,7 +1,7 @@
 """A compact, seeded subset of the corpus as Opus, to train where the corpus cannot be copied whole.
 
     PYTHONPATH=. .venv/bin/python -m training.pack build --corpus data/corpus --out packs/a \\
-        --megabytes 36 --part 0 --parts 2 --eval-per-group 40
+        --megabytes 42 --part 0 --parts 3 --eval-per-group 40
     PYTHONPATH=. python3 -m training.pack unpack packs/a --corpus data/gpu
 
 ``build`` draws training utterances in a seeded order (espeak-ng's formant voices, plentiful and the least
@@ -9,10 +9,11 @@ like the held-out voices, at ``--espeak-share`` of the rate of the others), give
 this part, takes as many from the front of that order as fill ``--megabytes``, and encodes them as one
 Ogg/Opus stream per source shard (about 13.6 kbit/s at the default ``--level``; log-mel features move by
 ~0.15 of their standard deviation, less than the noise the augmentation adds): ``pack_NNNN.npz`` files of
-``opus`` bytes, decoded sample ``offsets``, ``text`` and ``voice``. ``--eval-per-group`` adds the first N sentences of each evaluation
-group at a higher rate (``eval_GROUP.npz``). ``unpack`` decodes a pack into corpus shards
-(``train/shard_op_<pack>_NNNN.npz``, ``eval/GROUP.npz``) that ``training.train`` reads like any other.
-Needs ``soundfile`` (libsndfile >= 1.1 with Opus).
+``opus`` bytes, decoded sample ``offsets``, ``text`` and ``voice``. ``--eval-per-group`` adds the first N
+sentences of each evaluation group at a higher rate (``eval_GROUP.npz``). ``unpack`` decodes a pack into
+corpus shards (``train/shard_op_<pack>_NNNN.npz``, ``eval/GROUP.npz``) that ``training.train`` reads like
+any other.
+Needs ``soundfile`` (in the ``dev`` extras; its wheels bundle libsndfile with Opus).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
 
 Rerunning the same command resumes from ``runs/<name>/last.pt`` (model, optimizer, step, epoch position).
 Batch ``i`` of epoch ``e`` is augmented with a generator seeded from ``(seed, e, i)``, so a run is the same
-after a resume and whatever ``--workers`` (data-loading processes) it uses. ``runs/<name>/log.jsonl`` gets one line per logging interval (training loss, learning
-rate, audio seconds seen) and one per evaluation (greedy WER/CER per held-out voice group at 16 kHz and after
-an 8 kHz mu-law round trip). ``best.pt`` holds the weights with the lowest mean held-out-voice CER.
+after a resume and whatever ``--workers`` (data-loading processes) it uses. ``runs/<name>/log.jsonl`` gets
+one line per logging interval (training loss, learning rate, audio seconds seen) and one per evaluation
+(greedy WER/CER per held-out voice group at 16 kHz and after an 8 kHz mu-law round trip). ``best.pt`` holds
+the weights with the lowest mean held-out-voice CER.
 Uses CUDA when available; on CPU it runs on ``--threads`` threads (default 1). ``--minutes`` time-boxes a
 run (the learning-rate schedule then follows the time spent), e.g. on a rented GPU (``training/gpu.sh``).
 """
