@@ -217,11 +217,13 @@ def test_training_voices_never_include_a_held_out_voice(voice_set):
 
 def test_a_batch_is_the_same_whichever_process_makes_it(trained):
     """Augmentation is seeded per batch, so --workers changes the speed of a run, not its data."""
+    import random
+
     from training import train
 
     corpus = train.Corpus(trained.parent / "corpus")
     names = corpus.refresh()
-    batches = train.make_batches(corpus.items(names), 6.0, 12.0, __import__("random").Random(0))
+    batches = train.make_batches(corpus.items(names), 6.0, 12.0, random.Random(0))
     vocab = {c: i for i, c in enumerate(train.default_config().vocabulary)}
     source = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)
 
