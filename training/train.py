@@ -16,6 +16,7 @@ run (the learning-rate schedule then follows the time spent), e.g. on a rented G
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -311,7 +312,7 @@ def deepen(config: ConvCtcConfig, weights: dict, dilations: tuple[int, ...], see
     never train, as ReLU passes no gradient at 0), so a fine-tune starts from the trained model's output."""
     if dilations[: len(config.dilations)] != config.dilations:
         raise SystemExit(f"--config dilations {list(dilations)} must extend the model's {list(config.dilations)}")
-    grown = ConvCtcConfig.from_dict({**json.loads(config.to_json()), "dilations": dilations})
+    grown = dataclasses.replace(config, dilations=dilations)
     torch.manual_seed(seed)
     state = ConvCtcModel(grown).state_dict()
     for k, v in weights.items():
@@ -393,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
-    config = default_config(**json.loads(args.config))
+    overrides = json.loads(args.config)
+    config = default_config(**overrides)
     vocab = {c: i for i, c in enumerate(config.vocabulary)}
     corpus = Corpus(args.corpus)
     names = corpus.refresh()
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.init is not None:
         init = torch.load(args.init, weights_only=False)
         config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
-    deeper = json.loads(args.config).get("dilations")
+    deeper = overrides.get("dilations")
     if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
         config, weights = deepen(config, weights, tuple(deeper), args.seed)
     model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
