@@ -242,6 +242,41 @@ def test_a_batch_is_the_same_whichever_process_makes_it(trained):
     assert torch.equal(other["targets"], here[0]["targets"]) and not torch.equal(other["audio"], here[0]["audio"])
 
 
+def test_vtlp_warps_the_spectrum_under_the_mel_filters(trained):
+    """VTLP: factor 1 is the model's own features; 1.1 / 0.9 read a 1 kHz tone in the mel bin of 1.1 / 0.9
+    kHz; ``--vtlp`` draws per-utterance factors in the batch (in its seeded stream), none without it."""
+    import math
+    import random
+
+    from cosystream.models.conv_ctc import ConvCtcModel
+    from cosystream.models.features import hz_to_mel
+    from training import train
+    from training.augment import warped_log_mel
+
+    model = ConvCtcModel(train.default_config())
+    t = torch.arange(16000) / 16000
+    pcm = (0.3 * torch.sin(2 * math.pi * 1000 * t)).repeat(3, 1)
+    features = warped_log_mel(model, pcm, torch.tensor([1.0, 1.1, 0.9]))
+    torch.testing.assert_close(features[0], model.log_mel(pcm)[0], rtol=1e-5, atol=1e-5)
+    c = model.config
+    centres = np.linspace(hz_to_mel(c.f_min_hz), hz_to_mel(c.f_max_hz), c.n_mels + 2)[1:-1]
+    peaks = features[:, 50].argmax(-1).tolist()
+    assert peaks == [int(np.argmin(abs(centres - hz_to_mel(f)))) for f in (1000, 1100, 900)]
+    assert len(set(peaks)) == 3
+
+    corpus = train.Corpus(trained.parent / "corpus")
+    batches = train.make_batches(corpus.items(corpus.refresh()), 20.0, 12.0, random.Random(0))
+    vocab = {ch: i for i, ch in enumerate(c.vocabulary)}
+    plain = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)[0]
+    warped = train.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, vtlp=0.1)[0]
+    assert plain["warp"] is None
+    warp = warped["warp"]
+    assert warp.shape == (len(batches[0]),) and ((warp >= 0.9) & (warp <= 1.1)).all() and (warp != 1).any()
+    # The draw comes after everything else in the batch's stream: the audio and masks do not change.
+    for key in ("audio", "time_mask", "freq_mask"):
+        assert torch.equal(plain[key], warped[key]), key
+
+
 def test_time_boxed_run(trained, tmp_path):
     """``--minutes``: the run stops on time, the learning rate follows the time spent down its cosine, and
     snapshots start at ``--snapshot-progress``."""

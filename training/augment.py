@@ -2,7 +2,9 @@
 
 Waveform (numpy, 16 kHz float32): speed +-15 % (resampling, so pitch moves with it), simple synthetic
 reverb, leading/trailing silence, additive coloured noise at 5-30 dB SNR, 8 kHz telephone band with mu-law or
-A-law round trips, gain. Features: SpecAugment-style frequency and time masks.
+A-law round trips, gain. Features: vocal tract length perturbation (VTLP: the mel filters read a
+frequency-warped spectrum, so formants move without pitch or tempo) and SpecAugment-style frequency and
+time masks.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import soxr
 import torch
+
+from cosystream.models.features import hz_to_mel, mel_to_hz
 
 SAMPLE_RATE = 16000
 
@@ -147,3 +151,46 @@ def apply_masks(features: torch.Tensor, time: torch.Tensor, freq: torch.Tensor) 
     """Zero (the normalized mean) the masked frames and bins of ``features [B, T, bins]``."""
     keep = (~time[:, : features.shape[1], None]) & (~freq[:, None, :])
     return features * keep.to(features.dtype)
+
+
+def warp_factors(n: int, rng: np.random.Generator, max_warp: float, p: float = 0.8) -> np.ndarray:
+    """VTLP factors for ``n`` utterances: uniform in ``1 +- max_warp`` with probability ``p``, else 1."""
+    alphas = rng.uniform(1.0 - max_warp, 1.0 + max_warp, n)
+    return np.where(rng.random(n) < p, alphas, 1.0).astype(np.float32)
+
+
+def warped_mel_bases(
+    alphas: torch.Tensor, n_mels: int, n_fft: int, sample_rate_hz: int, f_min_hz: float, f_max_hz: float, f_hi_hz=6800.0
+) -> torch.Tensor:
+    """Mel filterbanks ``[B, n_used_bins, n_mels]`` over a spectrum warped by ``alphas [B]`` (VTLP).
+
+    Filter ``k`` of utterance ``b`` weighs bin frequency ``g`` by the unwarped filter's weight at
+    ``warp(g)``, with ``warp(g) = alpha * g`` up to ``f_hi * min(alpha, 1) / alpha`` and then linear to the
+    Nyquist frequency, which stays put: a formant at ``f`` reads as one at ``alpha * f``. ``alpha = 1``
+    gives exactly the model's own filterbank (on the bins it uses)."""
+    n_bins = n_fft // 2 + 1
+    nyquist = sample_rate_hz / 2
+    edges_mel = torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64)
+    edges_hz = mel_to_hz(edges_mel)
+    lower, centre, upper = edges_hz[:-2], edges_hz[1:-1], edges_hz[2:]
+    bin_hz = torch.arange(n_bins, dtype=torch.float64) * sample_rate_hz / n_fft
+    used = ((bin_hz[:, None] > lower) & (bin_hz[:, None] < upper)).any(dim=1)
+    g = bin_hz[used][None, :]
+    a = alphas.detach().double().cpu()[:, None]
+    knee = f_hi_hz * torch.clamp(a, max=1.0) / a
+    above = a * knee + (nyquist - a * knee) * (g - knee) / (nyquist - knee)
+    warped = torch.where(g <= knee, a * g, above)[:, :, None]
+    rising = (warped - lower) / (centre - lower)
+    falling = (upper - warped) / (upper - centre)
+    return torch.clamp(torch.minimum(rising, falling), min=0.0).float().to(alphas.device)
+
+
+def warped_log_mel(model, pcm: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
+    """``model.log_mel(pcm)`` with utterance ``b``'s spectrum warped by ``alphas[b]`` before the mel filters."""
+    c, features = model.config, model.features
+    spectrum = model.windows(pcm) @ features.dft_basis
+    real, imag = spectrum.split(features.n_used_bins, dim=-1)
+    power = real * real + imag * imag
+    bases = warped_mel_bases(alphas, c.n_mels, c.window_samples, SAMPLE_RATE, c.f_min_hz, c.f_max_hz)
+    log_mel = torch.log(torch.bmm(power, bases) + 1e-6)
+    return (log_mel - features.shift) * features.scale

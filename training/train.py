@@ -30,7 +30,7 @@ import torch
 
 from cosystream.models import load_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
-from training.augment import apply_masks, augment, spec_masks, telephone
+from training.augment import apply_masks, augment, spec_masks, telephone, warp_factors, warped_log_mel
 from training.corpus import HELD_OUT, load_shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,11 +107,13 @@ class BatchSource(torch.utils.data.Dataset):
 
     An item is a dict: ``audio [B, N]`` (zero-padded), ``in_lengths`` (frames), ``targets`` (flat),
     ``tgt_lengths``, ``seconds`` (unpadded audio), and ``time_mask [B, T]`` / ``freq_mask [B, n_mels]`` for
-    SpecAugment (``None`` without augmentation)."""
+    SpecAugment and ``warp [B]`` VTLP factors (``None`` without augmentation or ``vtlp``)."""
 
-    def __init__(self, corpus, batches, vocab, n_mels: int, seed: int, epoch: int, first: int, augment_on: bool):
+    def __init__(
+        self, corpus, batches, vocab, n_mels: int, seed: int, epoch: int, first: int, augment_on: bool, vtlp=0.0
+    ):
         self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
-        self.seed, self.epoch, self.first, self.augment_on = seed, epoch, first, augment_on
+        self.seed, self.epoch, self.first, self.augment_on, self.vtlp = seed, epoch, first, augment_on, vtlp
 
     def __len__(self) -> int:
         return len(self.batches) - self.first
@@ -131,6 +133,9 @@ class BatchSource(torch.utils.data.Dataset):
         masks = (None, None)
         if self.augment_on:
             masks = tuple(torch.from_numpy(m) for m in spec_masks(frames, self.n_mels, rng, audio.shape[1] // HOP))
+        warp = None
+        if self.augment_on and self.vtlp > 0:
+            warp = torch.from_numpy(warp_factors(len(pcms), rng, self.vtlp))
         return {
             "audio": audio,
             "in_lengths": torch.tensor(frames),
@@ -139,6 +144,7 @@ class BatchSource(torch.utils.data.Dataset):
             "seconds": float(sum(x.size for x in pcms)) / 16000,
             "time_mask": masks[0],
             "freq_mask": masks[1],
+            "warp": warp,
         }
 
 
@@ -369,6 +375,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", type=str, default="{}", help="JSON overrides of the default ConvCtcConfig")
     p.add_argument("--no-augment", action="store_true")
     p.add_argument(
+        "--vtlp",
+        type=float,
+        default=0.0,
+        help="vocal tract length perturbation: warp 80%% of the utterances' spectra by a factor in 1 +- VTLP "
+        "(e.g. 0.1; 0 = off)",
+    )
+    p.add_argument(
         "--init",
         type=Path,
         default=None,
@@ -523,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
                 }
             )
         source = BatchSource(
-            corpus, batches, vocab, config.n_mels, args.seed, epoch, batch_index, not args.no_augment
+            corpus, batches, vocab, config.n_mels, args.seed, epoch, batch_index, not args.no_augment, args.vtlp
         )
         loader = torch.utils.data.DataLoader(
             source,
@@ -542,7 +555,10 @@ def main(argv: list[str] | None = None) -> None:
                     step, args.peak_lr, args.warmup, args.total_steps, progress=progress() if budget_s else None
                 )
             audio = batch["audio"].to(device, non_blocking=True)
-            features = model.log_mel(audio)
+            if batch["warp"] is not None:
+                features = warped_log_mel(model, audio, batch["warp"].to(device))
+            else:
+                features = model.log_mel(audio)
             if batch["time_mask"] is not None:
                 features = apply_masks(features, batch["time_mask"].to(device), batch["freq_mask"].to(device))
             # bfloat16 for the network's matmuls (AMX / AVX-512-BF16 on recent x86 CPUs, tensor cores on

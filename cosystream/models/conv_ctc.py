@@ -286,9 +286,14 @@ class ConvCtcModel(nn.Module):
 
     def log_mel(self, pcm: torch.Tensor) -> torch.Tensor:
         """Offline features: ``pcm [B, N] -> [B, N // 160, n_mels]`` (training augments these)."""
+        return self.features(self.windows(pcm))
+
+    def windows(self, pcm: torch.Tensor) -> torch.Tensor:
+        """The analysis windows of ``pcm [B, N]``: ``[B, N // 160, window_samples]``, frame ``t`` ending at
+        sample ``160 * (t + 1)`` (zeros before the start), as the streaming step sees them."""
         frames = pcm.shape[1] // HOP_SAMPLES
         audio = F.pad(pcm[:, : frames * HOP_SAMPLES], (self.tail_samples, 0))
-        return self.features(audio.unfold(1, self.config.window_samples, HOP_SAMPLES))
+        return audio.unfold(1, self.config.window_samples, HOP_SAMPLES)
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         """Offline network on features: ``[B, T, n_mels] -> logits [B, T, V]``."""
