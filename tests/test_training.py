@@ -279,17 +279,17 @@ def test_vtlp_warps_the_spectrum_under_the_mel_filters(trained):
 
 def test_time_boxed_run(trained, tmp_path):
     """``--minutes``: the run stops on time, the learning rate follows the time spent down its cosine, and
-    snapshots start at ``--snapshot-progress``."""
+    snapshots start at ``--snapshot-progress``; ``--total-steps`` does not cut it short."""
     from training import train
 
     run = tmp_path / "boxed"
     args = ["--corpus", str(trained.parent / "corpus"), "--run", str(run), "--minutes", "0.1", "--warmup", "2"]
     args += ["--peak-lr", "1e-3", "--log-every", "1", "--eval-limit", "1", "--batch-seconds", "10"]
     args += ["--checkpoint-minutes", "0", "--snapshot-progress", "0.5", "--config", json.dumps(TINY)]
-    train.main(args)
+    train.main([*args, "--total-steps", "3"])
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("event") == "train"]
-    assert len(steps) >= 5
+    assert len(steps) >= 5 and steps[-1]["step"] > 3
     assert steps[-1]["lr"] < 0.5e-3 < max(r["lr"] for r in steps)
     snaps = sorted(int(p.stem.split("_")[1]) for p in run.glob("snap_*.pt"))
     assert snaps and 1 < snaps[0] <= steps[-1]["step"]

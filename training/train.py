@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run", type=Path, default=Path("runs/en1"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--total-steps", type=int, default=9000)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (default: total-steps)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (default: --total-steps; none with --minutes)")
     p.add_argument("--peak-lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=400)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -466,7 +466,9 @@ def main(argv: list[str] | None = None) -> None:
                 state[k] = v.to(device)
     ctc = torch.nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
     eval_groups = load_eval(args.corpus, args.eval_limit)
-    max_steps = args.max_steps or args.total_steps
+    budget_s = None if args.minutes is None else args.minutes * 60
+    # A time-boxed run stops on time (or at an explicit --max-steps), never at the default --total-steps.
+    max_steps = args.max_steps or (None if budget_s else args.total_steps)
 
     def checkpoint(path: Path) -> None:
         save_checkpoint(
@@ -504,13 +506,11 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint(args.run / "best.pt")
             log({"event": "best", "step": step, "held_out_mean": res["held_out_mean"]})
 
-    budget_s = None if args.minutes is None else args.minutes * 60
-
     def progress() -> float:
         return train_seconds / budget_s if budget_s else step / max(1, args.total_steps)
 
     def more() -> bool:
-        return step < max_steps and (budget_s is None or train_seconds < budget_s)
+        return (max_steps is None or step < max_steps) and (budget_s is None or train_seconds < budget_s)
 
     last_ckpt = last_eval = time.time()
     loss_sum = loss_n = 0.0
