@@ -160,7 +160,13 @@ def warp_factors(n: int, rng: np.random.Generator, max_warp: float, p: float = 0
 
 
 def warped_mel_bases(
-    alphas: torch.Tensor, n_mels: int, n_fft: int, sample_rate_hz: int, f_min_hz: float, f_max_hz: float, f_hi_hz=6800.0
+    alphas: torch.Tensor,
+    n_mels: int,
+    n_fft: int,
+    sample_rate_hz: int,
+    f_min_hz: float,
+    f_max_hz: float,
+    f_hi_hz: float = 6800.0,
 ) -> torch.Tensor:
     """Mel filterbanks ``[B, n_used_bins, n_mels]`` over a spectrum warped by ``alphas [B]`` (VTLP).
 

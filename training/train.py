@@ -110,7 +110,16 @@ class BatchSource(torch.utils.data.Dataset):
     SpecAugment and ``warp [B]`` VTLP factors (``None`` without augmentation or ``vtlp``)."""
 
     def __init__(
-        self, corpus, batches, vocab, n_mels: int, seed: int, epoch: int, first: int, augment_on: bool, vtlp=0.0
+        self,
+        corpus,
+        batches,
+        vocab,
+        n_mels: int,
+        seed: int,
+        epoch: int,
+        first: int,
+        augment_on: bool,
+        vtlp: float = 0.0,
     ):
         self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
         self.seed, self.epoch, self.first, self.augment_on, self.vtlp = seed, epoch, first, augment_on, vtlp
@@ -335,7 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run", type=Path, default=Path("runs/en1"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--total-steps", type=int, default=9000)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (default: --total-steps; none with --minutes)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this step (default: --total-steps; none with --minutes)",
+    )
     p.add_argument("--peak-lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=400)
     p.add_argument("--weight-decay", type=float, default=0.01)
