@@ -17,6 +17,7 @@ test: install-dev system-deps
 
 lint: install-dev
 	$(VENV)/bin/ruff check cosystream tests benchmarks clients scripts training
+	$(VENV)/bin/ruff format --check cosystream tests benchmarks clients scripts training
 	$(PY) scripts/gen_protos.py --check
 
 protos: install-dev
