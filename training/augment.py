@@ -13,7 +13,7 @@ import numpy as np
 import soxr
 import torch
 
-from cosystream.models.features import hz_to_mel, mel_to_hz
+from cosystream.models.features import mel_weights
 
 SAMPLE_RATE = 16000
 
@@ -161,34 +161,26 @@ def warp_factors(n: int, rng: np.random.Generator, max_warp: float, p: float = 0
 
 def warped_mel_bases(
     alphas: torch.Tensor,
+    bin_hz: torch.Tensor,
     n_mels: int,
-    n_fft: int,
-    sample_rate_hz: int,
     f_min_hz: float,
     f_max_hz: float,
     f_hi_hz: float = 6800.0,
+    nyquist_hz: float = SAMPLE_RATE / 2,
 ) -> torch.Tensor:
-    """Mel filterbanks ``[B, n_used_bins, n_mels]`` over a spectrum warped by ``alphas [B]`` (VTLP).
+    """Mel filterbanks ``[B, bins, n_mels]`` over the spectrum bins at ``bin_hz [bins]``, warped by ``alphas
+    [B]`` (VTLP).
 
     Filter ``k`` of utterance ``b`` weighs bin frequency ``g`` by the unwarped filter's weight at
     ``warp(g)``, with ``warp(g) = alpha * g`` up to ``f_hi * min(alpha, 1) / alpha`` and then linear to the
     Nyquist frequency, which stays put: a formant at ``f`` reads as one at ``alpha * f``. ``alpha = 1``
-    gives exactly the model's own filterbank (on the bins it uses)."""
-    n_bins = n_fft // 2 + 1
-    nyquist = sample_rate_hz / 2
-    edges_mel = torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64)
-    edges_hz = mel_to_hz(edges_mel)
-    lower, centre, upper = edges_hz[:-2], edges_hz[1:-1], edges_hz[2:]
-    bin_hz = torch.arange(n_bins, dtype=torch.float64) * sample_rate_hz / n_fft
-    used = ((bin_hz[:, None] > lower) & (bin_hz[:, None] < upper)).any(dim=1)
-    g = bin_hz[used][None, :]
+    gives the model's own filterbank."""
+    g = bin_hz.double()[None, :]
     a = alphas.detach().double().cpu()[:, None]
     knee = f_hi_hz * torch.clamp(a, max=1.0) / a
-    above = a * knee + (nyquist - a * knee) * (g - knee) / (nyquist - knee)
-    warped = torch.where(g <= knee, a * g, above)[:, :, None]
-    rising = (warped - lower) / (centre - lower)
-    falling = (upper - warped) / (upper - centre)
-    return torch.clamp(torch.minimum(rising, falling), min=0.0).float().to(alphas.device)
+    above = a * knee + (nyquist_hz - a * knee) * (g - knee) / (nyquist_hz - knee)
+    warped = torch.where(g <= knee, a * g, above)
+    return mel_weights(warped, n_mels, f_min_hz, f_max_hz).float().to(alphas.device)
 
 
 def warped_log_mel(model, pcm: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
@@ -197,6 +189,7 @@ def warped_log_mel(model, pcm: torch.Tensor, alphas: torch.Tensor) -> torch.Tens
     spectrum = model.windows(pcm) @ features.dft_basis
     real, imag = spectrum.split(features.n_used_bins, dim=-1)
     power = real * real + imag * imag
-    bases = warped_mel_bases(alphas, c.n_mels, c.window_samples, SAMPLE_RATE, c.f_min_hz, c.f_max_hz)
+    bin_hz = features.used_bins * (SAMPLE_RATE / c.window_samples)
+    bases = warped_mel_bases(alphas, bin_hz, c.n_mels, c.f_min_hz, c.f_max_hz)
     log_mel = torch.log(torch.bmm(power, bases) + 1e-6)
     return (log_mel - features.shift) * features.scale

@@ -22,16 +22,20 @@ def mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
     return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
 
 
-def mel_filterbank(n_mels: int, n_fft: int, sample_rate_hz: int, f_min_hz: float, f_max_hz: float) -> torch.Tensor:
-    """Triangular HTK-style mel filters, ``[n_fft // 2 + 1, n_mels]`` (float64)."""
-    n_bins = n_fft // 2 + 1
-    bin_hz = torch.arange(n_bins, dtype=torch.float64) * sample_rate_hz / n_fft
+def mel_weights(freq_hz: torch.Tensor, n_mels: int, f_min_hz: float, f_max_hz: float) -> torch.Tensor:
+    """Each triangular HTK-style mel filter's weight at ``freq_hz [...]`` (float64): ``[..., n_mels]``."""
     edges_mel = torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64)
     edges_hz = mel_to_hz(edges_mel)
     lower, centre, upper = edges_hz[:-2], edges_hz[1:-1], edges_hz[2:]
-    rising = (bin_hz[:, None] - lower) / (centre - lower)
-    falling = (upper - bin_hz[:, None]) / (upper - centre)
+    rising = (freq_hz[..., None] - lower) / (centre - lower)
+    falling = (upper - freq_hz[..., None]) / (upper - centre)
     return torch.clamp(torch.minimum(rising, falling), min=0.0)
+
+
+def mel_filterbank(n_mels: int, n_fft: int, sample_rate_hz: int, f_min_hz: float, f_max_hz: float) -> torch.Tensor:
+    """Triangular HTK-style mel filters, ``[n_fft // 2 + 1, n_mels]`` (float64)."""
+    bin_hz = torch.arange(n_fft // 2 + 1, dtype=torch.float64) * sample_rate_hz / n_fft
+    return mel_weights(bin_hz, n_mels, f_min_hz, f_max_hz)
 
 
 def windowed_dft_basis(window_samples: int, n_fft: int) -> torch.Tensor:
@@ -60,6 +64,7 @@ class LogMel(nn.Module):
         n_bins = n_fft // 2 + 1
         basis = torch.cat([basis[:, used], basis[:, n_bins + used]], dim=1)
         self.n_used_bins = int(used.numel())
+        self.used_bins = used  # DFT bin indices of the spectrum columns (CPU; training warps their frequencies)
         self.register_buffer("dft_basis", basis.float(), persistent=False)
         self.register_buffer("mel_basis", mel[used].float(), persistent=False)
         self.register_buffer("shift", torch.zeros(n_mels))
