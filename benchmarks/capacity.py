@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"p99_limit_ms": P99_LIMIT_MS, "results": results}
     for chunk_ms in args.chunk_ms:
         for decoder in args.decoders:
-            for model in {r["model"] for r in results}:
+            for model in dict.fromkeys(r["model"] for r in results):  # in --models order
                 key = (chunk_ms, decoder, model)
                 by_mode = {
                     r["mode"]: r["capacity"] for r in results if (r["chunk_ms"], r["decoder"], r["model"]) == key
