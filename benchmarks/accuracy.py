@@ -6,14 +6,37 @@ speech, a card-game command set, "go forward ten meters"), fetched with pip into
 pocketsphinx (its PyPI wheel bundles an English model) is a benchmark-only dependency:
 ``pip install pocketsphinx``.
 
-    python benchmarks/accuracy.py --real data/corpus/eval/heldout --telephone
+``--prompts`` adds the Asterisk PBX voice prompts (one professional voice actor, Allison Smith, reading IVR
+phrases such as "please enter your password followed by the pound key"), fetched with ``apt-get download``
+from Debian (bookworm: version 1.6.1-1) and cached as two sets of the same recordings:
+
+* ``asterisk-prompts-16k``: ``asterisk-core-sounds-en-g722`` (G.722, 16 kHz wideband), decoded with PyAV
+  (``av``, its PyPI wheel bundles FFmpeg; installed with pip into ``--cache`` when it is not importable);
+  skipped, with a warning, if that fails.
+* ``asterisk-prompts-8k``: ``asterisk-core-sounds-en-wav`` (8 kHz 16-bit PCM) as they are. The evaluation
+  resamples them to 16 kHz; ``--telephone`` does not score sets recorded at 8 kHz again (their band is
+  already a phone's), so they appear once, as band ``8k``.
+
+Transcripts come from ``core-sounds-en.txt`` in ``asterisk-core-sounds-en``, normalized with the training
+text normalizer (numbers spelled out). Kept: prompts of at least 3 words; dropped: digits, letters, sound
+effects, bracketed notes, symbols (``*``, ``#``) and acronyms spoken letter by letter. ``--prompts-limit``
+(default 300) caps the count with a seeded, deterministic draw. Licence: the recordings are CC-BY-SA-3.0,
+copyright 2003-2010 Allison Smith (recorded by Allison Smith, financial contributions by Digium, Inc.);
+see ``/usr/share/doc/asterisk-core-sounds-en/copyright`` in the package, copied into each set as
+``COPYRIGHT``.
+
+    python -m benchmarks.accuracy --real --prompts data/corpus/eval/heldout --telephone
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import json
+import random
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -28,6 +51,11 @@ from cosystream.evaluate import edit_distance, evaluate, load_set, normalize, te
 from cosystream.server.decoding import DecoderConfig
 
 POCKETSPHINX_SDIST = "pocketsphinx==5.1.1"
+PYAV_WHEEL = "av==18.1.0"
+PROMPT_PACKAGES = ("asterisk-core-sounds-en", "asterisk-core-sounds-en-wav", "asterisk-core-sounds-en-g722")
+PROMPT_SEED = 0
+# Notes, sound effects, keypad symbols, acronyms ("PBX", "IAX") and things like "3D" don't read as words.
+_PROMPT_BAD = re.compile(r"[()\[\]*#]|\b[A-Z]{2,}|\d[A-Za-z]")
 
 
 def fetch_real_recordings(cache: Path) -> Path:
@@ -79,6 +107,117 @@ def fetch_real_recordings(cache: Path) -> Path:
     return target
 
 
+def prompt_reference(text: str) -> str | None:
+    """A prompt's transcript in the model's alphabet, or None if it does not read cleanly as words."""
+    from training.text import normalize as normalize_text  # the repository's, not installed: run with -m
+
+    if _PROMPT_BAD.search(text):
+        return None
+    whole = normalize_text(text)
+    if whole is not None or len(text.split()) <= 26:
+        return whole
+    # The training normalizer takes sentences of 3-26 words: normalize a long prompt in runs of clauses.
+    chunks: list[list[str]] = [[]]
+    for clause in re.split(r"(?<=[.,;:!?])\s+", text.strip()):
+        if chunks[-1] and len(" ".join([*chunks[-1], clause]).split()) > 26:
+            chunks.append([])
+        chunks[-1].append(clause)
+    if len(chunks) > 1 and len(" ".join(chunks[-1]).split()) < 3:
+        chunks[-2] += chunks.pop()
+    parts = [normalize_text(" ".join(chunk)) for chunk in chunks]
+    return " ".join(part for part in parts if part) if all(parts) else None
+
+
+def import_pyav(cache: Path):
+    """PyAV, pip-installed into ``cache`` when it is not importable (its wheel bundles FFmpeg)."""
+    try:
+        import av
+    except ImportError:
+        target = cache / "pyav"
+        if not (target / "av").exists():
+            pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary", ":all:"]
+            subprocess.run([*pip, "--target", str(target), PYAV_WHEEL], check=True, capture_output=True)
+        sys.path.insert(0, str(target))
+        import av
+    return av
+
+
+def decode_g722(av, data: bytes) -> np.ndarray:
+    """G.722 bytes -> 16 kHz int16 samples."""
+    with av.open(io.BytesIO(data), format="g722") as container:
+        frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
+    return np.concatenate(frames).astype("<i2")
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int) -> None:
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples.astype("<i2").tobytes())
+
+
+def fetch_prompts(cache: Path, limit: int) -> list[Path]:
+    """The Asterisk English prompts as test sets: ``asterisk-prompts-16k`` (from G.722) and ``-8k``."""
+    narrow, wide = cache / "asterisk-prompts-8k", cache / "asterisk-prompts-16k"
+    stamp = f"limit={limit} seed={PROMPT_SEED}\n"
+    if (narrow / "DONE").exists() and (narrow / "DONE").read_text() == stamp:
+        return [s for s in (wide, narrow) if (s / "DONE").exists() and (s / "DONE").read_text() == stamp]
+    for directory in (narrow, wide):
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run(["apt-get", "download", *PROMPT_PACKAGES], cwd=tmp, check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as err:
+            raise SystemExit(
+                f"--prompts needs Debian's apt-get download of {', '.join(PROMPT_PACKAGES)}: {err}"
+            ) from None
+        root = Path(tmp) / "root"
+        for deb in sorted(Path(tmp).glob("*.deb")):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+        doc = root / "usr/share/doc/asterisk-core-sounds-en"
+        sounds = root / "usr/share/asterisk/sounds/en_US_f_Allison"
+        prompts = {}
+        for line in gzip.decompress((doc / "core-sounds-en.txt.gz").read_bytes()).decode().splitlines():
+            name, colon, text = line.partition(":")
+            reference = prompt_reference(text) if colon and not line.startswith(";") else None
+            if reference and (sounds / f"{name.strip()}.wav").exists():
+                prompts[name.strip()] = reference
+        chosen = sorted(prompts)
+        if len(chosen) > limit:
+            chosen = sorted(random.Random(PROMPT_SEED).sample(chosen, limit))
+        sets = [wide, narrow]
+        try:
+            av = import_pyav(cache)
+        except (subprocess.CalledProcessError, ImportError, OSError) as err:
+            print(f"asterisk-prompts-16k skipped: no G.722 decoder ({err})", file=sys.stderr)
+            av, sets = None, [narrow]
+            shutil.rmtree(wide)
+        for name in chosen:
+            stem = name.replace("/", "-")
+            (narrow / f"{stem}.wav").write_bytes((sounds / f"{name}.wav").read_bytes())
+            if av:
+                write_wav(wide / f"{stem}.wav", decode_g722(av, (sounds / f"{name}.g722").read_bytes()), 16000)
+            for directory in sets:
+                (directory / f"{stem}.txt").write_text(prompts[name])
+        for directory in sets:
+            shutil.copy(doc / "copyright", directory / "COPYRIGHT")
+            (directory / "DONE").write_text(stamp)
+    return sets
+
+
+def native_rate(test_set: Path) -> int:
+    """The sample rate of a test set's first recording."""
+    if test_set.is_dir():
+        first = next(test_set.glob("*.wav"))
+    else:
+        line = next(line for line in test_set.read_text().splitlines() if line.strip())
+        first = test_set.parent / json.loads(line)["audio"]
+    with wave.open(str(first), "rb") as wav:
+        return wav.getframerate()
+
+
 def pocketsphinx_scores(test_set: Path, telephone_band: bool) -> dict:
     from pocketsphinx import Decoder
 
@@ -111,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sets", nargs="*", help="test sets (directories or manifests)")
     parser.add_argument("--real", action="store_true", help="add pocketsphinx's human recordings")
+    parser.add_argument("--prompts", action="store_true", help="add the Asterisk voice prompts (16 and 8 kHz)")
+    parser.add_argument("--prompts-limit", type=int, default=300, help="at most this many prompts (seeded draw)")
     parser.add_argument("--telephone", action="store_true", help="also score 8 kHz mu-law versions")
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--cache", default=".cache/accuracy", help="where fetched recordings are kept")
@@ -120,22 +261,26 @@ def main(argv: list[str] | None = None) -> int:
     sets = [Path(s) for s in args.sets]
     if args.real:
         sets.append(fetch_real_recordings(Path(args.cache)))
+    if args.prompts:
+        sets += fetch_prompts(Path(args.cache), args.prompts_limit)
     if not sets:
-        parser.error("give test sets and/or --real")
+        parser.error("give test sets, --real and/or --prompts")
     decoders = [DecoderConfig(kind) for kind in args.decoders.split(",")]
     rows = []
     keys = ("wer", "cer", "real_time_factor", "decode_us_per_frame")
     for test_set in sets:
-        for band in [False, True] if args.telephone else [False]:
+        wideband = native_rate(test_set) > 8000
+        for band in [False, True] if args.telephone and wideband else [False]:
             ours = {d.kind: evaluate(args.model, test_set, band, d) for d in decoders}
             theirs = pocketsphinx_scores(test_set, band)
             first = next(iter(ours.values()))
             rows.append(
                 {
                     "set": test_set.name,
-                    "band": "8k-mulaw" if band else "16k",
+                    "band": "8k-mulaw" if band else "16k" if wideband else "8k",
                     "utterances": first["utterances"],
                     "audio_seconds": first["audio_seconds"],
+                    "words": sum(len(e["reference"].split()) for e in first["examples"]),
                     "cosystream": {kind: {k: r[k] for k in keys} for kind, r in ours.items()},
                     "pocketsphinx": theirs,
                 }
