@@ -38,11 +38,15 @@ import time
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soxr
 
 from training.text import fortune_sentences
+
+if TYPE_CHECKING:
+    from piper import PiperVoice  # the 'training' extra; imported when the piper voice set is synthesized
 
 SAMPLE_RATE = 16000
 
@@ -336,10 +340,10 @@ def synth_rhvoice(text: str, voice: Voice, tmp: Path) -> np.ndarray:
     return _read_wav(out.read_bytes())
 
 
-_PIPER_VOICES: dict[str, object] = {}
+_PIPER_VOICES: dict[str, PiperVoice] = {}
 
 
-def _piper_voice(name: str):
+def _piper_voice(name: str) -> PiperVoice:
     """The Piper voice ``name``, loaded once per process with a one-thread ONNX session (one per worker)."""
     if name not in _PIPER_VOICES:
         import importlib
