@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosystream.evaluate import edit_distance, evaluate, load_set, normalize, telephone
+from cosystream.evaluate import edit_distance, evaluate, load_set, normalize, set_files, telephone
 from cosystream.server.decoding import DecoderConfig
 
 POCKETSPHINX_SDIST = "pocketsphinx==5.1.1"
@@ -209,11 +209,7 @@ def fetch_prompts(cache: Path, limit: int) -> list[Path]:
 
 def native_rate(test_set: Path) -> int:
     """The sample rate of a test set's first recording."""
-    if test_set.is_dir():
-        first = next(test_set.glob("*.wav"))
-    else:
-        line = next(line for line in test_set.read_text().splitlines() if line.strip())
-        first = test_set.parent / json.loads(line)["audio"]
+    first, _ = set_files(test_set)[0]
     with wave.open(str(first), "rb") as wav:
         return wav.getframerate()
 

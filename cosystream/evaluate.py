@@ -69,7 +69,8 @@ def edit_distance(reference: list, hypothesis: list) -> int:
     return previous[-1]
 
 
-def load_set(path: Path) -> list[Utterance]:
+def set_files(path: Path) -> list[tuple[Path, str]]:
+    """A test set's ``(WAV path, transcript)`` pairs: a directory of NAME.wav + NAME.txt, or a JSONL manifest."""
     if path.is_dir():
         pairs = [(wav, wav.with_suffix(".txt").read_text()) for wav in sorted(path.glob("*.wav"))]
     else:
@@ -80,8 +81,12 @@ def load_set(path: Path) -> list[Utterance]:
                 pairs.append((path.parent / entry["audio"], entry["text"]))
     if not pairs:
         raise ValueError(f"{path}: no WAV files with transcripts")
+    return pairs
+
+
+def load_set(path: Path) -> list[Utterance]:
     utterances = []
-    for wav, text in pairs:
+    for wav, text in set_files(path):
         samples, rate = read_wav(str(wav))
         audio = soxr.resample(samples.astype(np.float32) / 32768, rate, 16000).astype(np.float32)
         utterances.append(Utterance(Path(wav).stem, audio, text))
