@@ -96,12 +96,7 @@ def fetch_real_recordings(cache: Path) -> Path:
             (target / f"cards-{name}.wav").write_bytes((data / "cards" / f"{name}.wav").read_bytes())
             text = re.sub(r"\s*\(.*\)\s*$", "", line)
             (target / f"cards-{name}.txt").write_text(re.sub(r"</?s>|<sil>", "", text).strip())
-        raw = np.frombuffer((data / "goforward.raw").read_bytes(), "<i2")
-        with wave.open(str(target / "goforward.wav"), "wb") as out:
-            out.setnchannels(1)
-            out.setsampwidth(2)
-            out.setframerate(16000)
-            out.writeframes(raw.tobytes())
+        write_wav(target / "goforward.wav", np.frombuffer((data / "goforward.raw").read_bytes(), "<i2"), 16000)
         (target / "goforward.txt").write_text("go forward ten meters")
     (target / "DONE").write_text("")
     return target
