@@ -303,6 +303,49 @@ def test_vtlp_warps_the_spectrum_under_the_mel_filters(trained):
         assert torch.equal(plain[key], warped[key]), key
 
 
+def test_channel_colouring_is_the_filtered_waveforms_features(trained):
+    """``colour_features`` adds to the features what filtering the waveform by the same gain curve does, on a
+    speech-like signal (white noise through the mel range), within a fraction of a dB per bin; ``--channel-eq``
+    draws curves in the batch's seeded stream after everything else. (Below ~300 Hz the 25 ms window's
+    leakage spreads a steep cut over neighbouring filters, so the comparison starts there.)"""
+    import random
+
+    from cosystream.models.conv_ctc import ConvCtcModel
+    from training import train
+    from training.augment import channel_gains_db, colour_features, mel_centres_hz
+
+    model = ConvCtcModel(train.default_config())
+    c = model.config
+    centres = mel_centres_hz(c.n_mels, c.f_min_hz, c.f_max_hz)
+    gains = channel_gains_db(64, centres, np.random.default_rng(5), p=1.0)
+    assert gains.shape == (64, c.n_mels) and np.abs(gains).max() <= 20.0
+    assert np.abs(gains[:, -1] - gains[:, 20]).max() > 10.0  # tilts and cuts, not only offsets
+    pcm = np.random.default_rng(6).standard_normal(32000) * 0.05
+    spectrum = np.fft.rfft(pcm)
+    bin_hz = np.fft.rfftfreq(pcm.size, 1 / 16000)
+    above = torch.from_numpy(centres >= 300)
+    for row in gains[:4]:
+        # The curve between the mel centres, as a filter: linear in the mel bins' log frequency.
+        db = np.interp(np.log(np.maximum(bin_hz, 1.0)), np.log(centres), row)
+        filtered = np.fft.irfft(spectrum * 10 ** (db / 20), pcm.size)
+        heard = model.log_mel(torch.from_numpy(filtered).float()[None])[0, 10:-10]
+        plain = model.log_mel(torch.from_numpy(pcm).float()[None])[0, 10:-10]
+        coloured = colour_features(plain[None], torch.from_numpy(row)[None], model.features.scale)[0]
+        error_db = ((coloured - heard).mean(0) / model.features.scale) * 10 / np.log(10)
+        assert error_db[above].abs().max() < 1.0, error_db
+        assert ((heard - plain).mean(0) / model.features.scale * 10 / np.log(10))[above].abs().max() > 3.0
+
+    corpus = train.Corpus(trained.parent / "corpus")
+    batches = train.make_batches(corpus.items(corpus.refresh()), 20.0, 12.0, random.Random(0))
+    vocab = {ch: i for i, ch in enumerate(c.vocabulary)}
+    plain = train.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, vtlp=0.1)[0]
+    assert plain["colour"] is None
+    coloured = train.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, 0.1, 0.5, centres)[0]
+    assert coloured["colour"].shape == (len(batches[0]), c.n_mels)
+    for key in ("audio", "time_mask", "freq_mask", "warp"):
+        assert torch.equal(plain[key], coloured[key]), key
+
+
 def test_time_boxed_run(trained, tmp_path):
     """``--minutes``: the run stops on time, the learning rate follows the time spent down its cosine, and
     snapshots start at ``--snapshot-progress``; ``--total-steps`` does not cut it short."""

@@ -3,8 +3,9 @@
 Waveform (numpy, 16 kHz float32): speed +-15 % (resampling, so pitch moves with it), simple synthetic
 reverb, leading/trailing silence, additive coloured noise at 5-30 dB SNR, 8 kHz telephone band with mu-law or
 A-law round trips, gain. Features: vocal tract length perturbation (VTLP: the mel filters read a
-frequency-warped spectrum, so formants move without pitch or tempo) and SpecAugment-style frequency and
-time masks.
+frequency-warped spectrum, so formants move without pitch or tempo), channel colouring (a random smooth
+equalizer curve, as microphones, rooms and codecs impose: spectral tilt, resonances, low and high cuts, added
+to the log-mel features, where a filter's gain is an offset) and SpecAugment-style frequency and time masks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import soxr
 import torch
 
-from cosystream.models.features import mel_weights
+from cosystream.models.features import hz_to_mel, mel_to_hz, mel_weights
 
 SAMPLE_RATE = 16000
 
@@ -157,6 +158,44 @@ def warp_factors(n: int, rng: np.random.Generator, max_warp: float, p: float = 0
     """VTLP factors for ``n`` utterances: uniform in ``1 +- max_warp`` with probability ``p``, else 1."""
     alphas = rng.uniform(1.0 - max_warp, 1.0 + max_warp, n)
     return np.where(rng.random(n) < p, alphas, 1.0).astype(np.float32)
+
+
+def mel_centres_hz(n_mels: int, f_min_hz: float, f_max_hz: float) -> np.ndarray:
+    """The centre frequencies of the model's ``n_mels`` mel filters."""
+    edges = torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64)
+    return mel_to_hz(edges[1:-1]).numpy()
+
+
+def channel_gains_db(n: int, centres_hz: np.ndarray, rng: np.random.Generator, p: float = 0.8) -> np.ndarray:
+    """Random channel colourings for ``n`` utterances, as gains in dB at ``centres_hz``: ``[n, bins]`` float32.
+
+    With probability ``p`` an utterance gets a tilt of -5..+5 dB per octave around 1 kHz (flat beyond three
+    octaves), zero to three resonances or notches of -9..+9 dB (Gaussian in log frequency, 0.25-1 octave
+    wide, centred 150-6500 Hz), and with probability 0.3 each a low cut (80-400 Hz) and a high cut
+    (3-7 kHz) of 12 dB per octave; at most 20 dB either way. Otherwise it stays flat (zeros)."""
+    octaves = np.log2(np.maximum(centres_hz, 1.0) / 1000.0)
+    gains = np.zeros((n, centres_hz.size), np.float32)
+    for row in range(n):
+        if rng.random() >= p:
+            continue
+        db = rng.uniform(-5.0, 5.0) * np.clip(octaves, -3.0, 3.0)
+        for _ in range(rng.integers(0, 4)):
+            centre = rng.uniform(np.log2(150 / 1000), np.log2(6500 / 1000))
+            db = db + rng.uniform(-9.0, 9.0) * np.exp(-0.5 * ((octaves - centre) / rng.uniform(0.25, 1.0)) ** 2)
+        if rng.random() < 0.3:
+            db = db - 12.0 * np.maximum(0.0, np.log2(rng.uniform(80, 400) / 1000.0) - octaves)
+        if rng.random() < 0.3:
+            db = db - 12.0 * np.maximum(0.0, octaves - np.log2(rng.uniform(3000, 7000) / 1000.0))
+        gains[row] = np.clip(db, -20.0, 20.0)
+    return gains
+
+
+def colour_features(features: torch.Tensor, gains_db: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Normalized log-mel ``features [B, T, bins]`` of audio heard through filters of ``gains_db [B, bins]``.
+
+    The log-mel front end takes the natural log of filter power, so a power gain of ``g`` dB adds
+    ``g * ln(10) / 10`` to a bin before normalization, ``scale`` times that after it."""
+    return features + (gains_db * (np.log(10.0) / 10.0) * scale)[:, None, :]
 
 
 def warped_mel_bases(

@@ -30,7 +30,17 @@ import torch
 
 from cosystream.models import load_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
-from training.augment import apply_masks, augment, spec_masks, telephone, warp_factors, warped_log_mel
+from training.augment import (
+    apply_masks,
+    augment,
+    channel_gains_db,
+    colour_features,
+    mel_centres_hz,
+    spec_masks,
+    telephone,
+    warp_factors,
+    warped_log_mel,
+)
 from training.corpus import HELD_OUT, load_shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +117,8 @@ class BatchSource(torch.utils.data.Dataset):
 
     An item is a dict: ``audio [B, N]`` (zero-padded), ``in_lengths`` (frames), ``targets`` (flat),
     ``tgt_lengths``, ``seconds`` (unpadded audio), and ``time_mask [B, T]`` / ``freq_mask [B, n_mels]`` for
-    SpecAugment and ``warp [B]`` VTLP factors (``None`` without augmentation or ``vtlp``)."""
+    SpecAugment, ``warp [B]`` VTLP factors (``None`` without augmentation or ``vtlp``) and ``colour [B, n_mels]``
+    channel gains in dB at ``mel_centres_hz`` (``None`` without augmentation or ``channel_eq``)."""
 
     def __init__(
         self,
@@ -120,9 +131,12 @@ class BatchSource(torch.utils.data.Dataset):
         first: int,
         augment_on: bool,
         vtlp: float = 0.0,
+        channel_eq: float = 0.0,
+        mel_centres_hz: np.ndarray | None = None,
     ):
         self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
         self.seed, self.epoch, self.first, self.augment_on, self.vtlp = seed, epoch, first, augment_on, vtlp
+        self.channel_eq, self.mel_centres_hz = channel_eq, mel_centres_hz
 
     def __len__(self) -> int:
         return len(self.batches) - self.first
@@ -145,6 +159,9 @@ class BatchSource(torch.utils.data.Dataset):
         warp = None
         if self.augment_on and self.vtlp > 0:
             warp = torch.from_numpy(warp_factors(len(pcms), rng, self.vtlp))
+        colour = None
+        if self.augment_on and self.channel_eq > 0:
+            colour = torch.from_numpy(channel_gains_db(len(pcms), self.mel_centres_hz, rng, self.channel_eq))
         return {
             "audio": audio,
             "in_lengths": torch.tensor(frames),
@@ -154,6 +171,7 @@ class BatchSource(torch.utils.data.Dataset):
             "time_mask": masks[0],
             "freq_mask": masks[1],
             "warp": warp,
+            "colour": colour,
         }
 
 
@@ -396,6 +414,13 @@ def main(argv: list[str] | None = None) -> None:
         "(e.g. 0.1; 0 = off)",
     )
     p.add_argument(
+        "--channel-eq",
+        type=float,
+        default=0.0,
+        help="colour this share of the utterances with a random microphone/room equalizer curve (tilt, "
+        "resonances, low and high cuts) on the log-mel features (e.g. 0.8; 0 = off)",
+    )
+    p.add_argument(
         "--init",
         type=Path,
         default=None,
@@ -550,7 +575,17 @@ def main(argv: list[str] | None = None) -> None:
                 }
             )
         source = BatchSource(
-            corpus, batches, vocab, config.n_mels, args.seed, epoch, batch_index, not args.no_augment, args.vtlp
+            corpus,
+            batches,
+            vocab,
+            config.n_mels,
+            args.seed,
+            epoch,
+            batch_index,
+            not args.no_augment,
+            args.vtlp,
+            args.channel_eq,
+            mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz),
         )
         loader = torch.utils.data.DataLoader(
             source,
@@ -573,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
                 features = warped_log_mel(model, audio, batch["warp"].to(device))
             else:
                 features = model.log_mel(audio)
+            if batch["colour"] is not None:
+                features = colour_features(features, batch["colour"].to(device), model.features.scale)
             if batch["time_mask"] is not None:
                 features = apply_masks(features, batch["time_mask"].to(device), batch["freq_mask"].to(device))
             # bfloat16 for the network's matmuls (AMX / AVX-512-BF16 on recent x86 CPUs, tensor cores on
