@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("test_set", help="a directory of NAME.wav + NAME.txt, or a JSONL manifest")
     evaluate.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     evaluate.add_argument("--telephone", action="store_true", help="through an 8 kHz mu-law round trip first")
+    evaluate.add_argument(
+        "--tilt",
+        type=float,
+        default=0.0,
+        metavar="DB",
+        help="through a spectral tilt of DB dB per octave around 1 kHz first (a bright or muffled microphone)",
+    )
     evaluate.add_argument("--json", default=None, help="write the scores and every hypothesis here")
     evaluate.add_argument("--show", type=int, default=5, help="print this many reference/hypothesis pairs")
     add_decoder_args(evaluate)

@@ -6,7 +6,9 @@ the model's language model by default, or greedy), without VAD: one hypothesis p
 
 A test set is a directory of ``NAME.wav`` files, each with its transcript in ``NAME.txt``, or a JSONL
 manifest of ``{"audio": PATH, "text": TRANSCRIPT}`` lines (paths relative to the manifest).
-``--telephone`` first passes the audio through an 8 kHz G.711 mu-law round trip, as a phone call would.
+``--telephone`` first passes the audio through an 8 kHz G.711 mu-law round trip, as a phone call would;
+``--tilt DB`` through a spectral tilt of ``DB`` dB per octave around 1 kHz, as a bright (positive) or muffled
+(negative) microphone would: a measure of how much the channel, not the words, moves the scores.
 """
 
 from __future__ import annotations
@@ -100,6 +102,19 @@ def telephone(audio: np.ndarray) -> np.ndarray:
     return soxr.resample(decoded, 8000, 16000).astype(np.float32)
 
 
+def tilt(audio: np.ndarray, db_per_octave: float, max_db: float = 24.0) -> np.ndarray:
+    """``audio`` filtered by a gain of ``db_per_octave`` dB per octave away from 1 kHz (at most ``max_db`` either
+    way), peak-normalized to its own peak."""
+    if not db_per_octave:
+        return audio
+    nfft = 1 << max(1, (audio.size - 1).bit_length())
+    freqs = np.fft.rfftfreq(nfft, 1 / 16000)
+    freqs[0] = freqs[1]
+    gain_db = np.clip(db_per_octave * np.log2(freqs / 1000.0), -max_db, max_db)
+    out = np.fft.irfft(np.fft.rfft(audio, nfft) * 10 ** (gain_db / 20), nfft)[: audio.size]
+    return (out * (np.abs(audio).max() / (np.abs(out).max() + 1e-9))).astype(np.float32)
+
+
 def recognize(runner: Runner, decoder: CtcDecoder | BeamCtcDecoder, audio: np.ndarray) -> tuple[str, float]:
     """The hypothesis for ``audio`` and the seconds spent in the decoder."""
     slot = runner.slab.alloc()
@@ -124,7 +139,11 @@ def recognize(runner: Runner, decoder: CtcDecoder | BeamCtcDecoder, audio: np.nd
 
 
 def evaluate(
-    model_path: str | None, test_set: Path, telephone_band: bool = False, decoding: DecoderConfig | None = None
+    model_path: str | None,
+    test_set: Path,
+    telephone_band: bool = False,
+    decoding: DecoderConfig | None = None,
+    tilt_db: float = 0.0,
 ) -> dict:
     torch.set_num_threads(1)
     model = load_model(model_path)
@@ -134,7 +153,8 @@ def evaluate(
     decoder = DecoderFactory(decoding, model.vocabulary)()
     scored, audio_s, compute_s, decode_s = [], 0.0, 0.0, 0.0
     for utterance in load_set(test_set):
-        audio = telephone(utterance.audio) if telephone_band else utterance.audio
+        audio = tilt(utterance.audio, tilt_db)
+        audio = telephone(audio) if telephone_band else audio
         started = time.perf_counter()
         hypothesis, decoding_s = recognize(runner, decoder, audio)
         compute_s += time.perf_counter() - started
@@ -157,6 +177,7 @@ def evaluate(
     return {
         "test_set": str(test_set),
         "telephone": telephone_band,
+        "tilt_db_per_octave": tilt_db,
         "decoder": decoding.kind,
         "utterances": len(scored),
         "audio_seconds": audio_s,
@@ -173,7 +194,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from cosystream.cli import decoder_config
 
     try:
-        result = evaluate(args.model, Path(args.test_set), args.telephone, decoder_config(args))
+        result = evaluate(args.model, Path(args.test_set), args.telephone, decoder_config(args), args.tilt)
     except (OSError, EOFError, ValueError, KeyError) as err:
         print(f"cosystream eval: {err}", file=sys.stderr)
         return 1
@@ -182,6 +203,8 @@ def eval_command(args: argparse.Namespace) -> int:
     for example in result["examples"][: args.show]:
         print(f"{example['name']}\n  ref: {example['reference']}\n  hyp: {example['hypothesis']}")
     band = "8 kHz mu-law" if result["telephone"] else "16 kHz"
+    if result["tilt_db_per_octave"]:
+        band += f", tilted {result['tilt_db_per_octave']:+g} dB/octave"
     print(
         f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s ({band}, {result['decoder']}): "
         f"WER {result['wer'] * 100:.1f}%  CER {result['cer'] * 100:.1f}%  RTF {result['real_time_factor']:.3f}"

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from cosystream.evaluate import edit_distance, evaluate, normalize, telephone
+from cosystream.evaluate import edit_distance, evaluate, normalize, telephone, tilt
 from tests.speech import needs_espeak
 
 
@@ -34,6 +34,18 @@ def test_telephone_band_keeps_length_and_removes_high_frequencies():
     assert spectrum[6000] < 0.05 * spectrum[300]
 
 
+def test_tilt_moves_each_octave_by_its_gain():
+    """+6 dB per octave: 2 kHz gains 6 dB and 500 Hz loses 6 dB against 1 kHz; 0 leaves the audio alone."""
+    rate = 16000
+    t = np.arange(rate) / rate
+    audio = sum(0.1 * np.sin(2 * np.pi * f * t) for f in (500, 1000, 2000)).astype(np.float32)
+    assert tilt(audio, 0.0) is audio
+    spectrum = np.abs(np.fft.rfft(tilt(audio, 6.0)))
+    assert 20 * np.log10(spectrum[2000] / spectrum[1000]) == pytest.approx(6.0, abs=0.3)
+    assert 20 * np.log10(spectrum[1000] / spectrum[500]) == pytest.approx(6.0, abs=0.3)
+    assert len(tilt(audio, -6.0)) == len(audio)
+
+
 @needs_espeak
 def test_eval_command_on_a_directory(tmp_path):
     texts = ["the boy was there when the sun rose", "please call me back tomorrow"]
@@ -56,13 +68,17 @@ def test_eval_command_on_a_directory(tmp_path):
             str(tmp_path),
             "--json",
             str(out),
+            "--tilt",
+            "-6",
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert completed.returncode == 0, completed.stderr
-    assert "2 utterances" in completed.stdout and json.loads(out.read_text())["utterances"] == 2
+    assert "2 utterances" in completed.stdout and "tilted -6 dB/octave" in completed.stdout
+    scores = json.loads(out.read_text())
+    assert scores["utterances"] == 2 and scores["tilt_db_per_octave"] == -6.0
 
 
 def test_eval_reports_a_missing_set(tmp_path):
