@@ -25,7 +25,8 @@ copyright 2003-2010 Allison Smith (recorded by Allison Smith, financial contribu
 see ``/usr/share/doc/asterisk-core-sounds-en/copyright`` in the package, copied into each set as
 ``COPYRIGHT``.
 
-    python -m benchmarks.accuracy --real --prompts data/corpus/eval/heldout --telephone
+    python -m training.eval_set --out data/heldout    # the held-out synthetic voices as a test set
+    python -m benchmarks.accuracy --real --prompts data/heldout --telephone
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import numpy as np
 
 from cosystream.evaluate import edit_distance, evaluate, load_set, normalize, set_files, telephone
 from cosystream.server.decoding import DecoderConfig
+from cosystream.transcribe import write_wav
 
 POCKETSPHINX_SDIST = "pocketsphinx==5.1.1"
 PYAV_WHEEL = "av==18.1.0"
@@ -142,14 +144,6 @@ def decode_g722(av, data: bytes) -> np.ndarray:
     with av.open(io.BytesIO(data), format="g722") as container:
         frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
     return np.concatenate(frames).astype("<i2")
-
-
-def write_wav(path: Path, samples: np.ndarray, rate: int) -> None:
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(samples.astype("<i2").tobytes())
 
 
 def fetch_prompts(cache: Path, limit: int) -> list[Path]:

@@ -43,6 +43,15 @@ def read_wav(path: str) -> tuple[np.ndarray, int]:
     return (np.clip(mono, -1, 1 - 1 / 32768) * 32768).astype("<i2"), rate
 
 
+def write_wav(path: str, samples: np.ndarray, rate: int) -> None:
+    """``samples`` (int16) as a mono 16-bit PCM WAV file."""
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples.astype("<i2").tobytes())
+
+
 def requests(
     samples: np.ndarray, rate: int, realtime: bool, interim: bool, words: bool
 ) -> Iterator[pb.StreamingRecognizeRequest]:

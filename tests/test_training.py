@@ -346,6 +346,23 @@ def test_channel_colouring_is_the_filtered_waveforms_features(trained):
         assert torch.equal(plain[key], coloured[key]), key
 
 
+def test_eval_groups_become_a_test_set_for_cosystream_eval(trained, tmp_path):
+    """``training.eval_set`` writes an evaluation group as WAV + transcript pairs that ``cosystream eval``
+    reads back: the same samples, the same texts."""
+    from cosystream.evaluate import load_set
+    from training.corpus import load_shard
+    from training.eval_set import main
+
+    corpus = trained.parent / "corpus"
+    main(["--corpus", str(corpus), "--out", str(tmp_path / "set"), "--groups", "train_voices", "--limit", "5"])
+    audio, offsets, texts, _ = load_shard(corpus / "eval" / "train_voices.npz")
+    loaded = load_set(tmp_path / "set")
+    assert [u.reference.strip() for u in loaded] == texts == SENTENCES[:1] * 2
+    for i, utterance in enumerate(loaded):
+        expected = audio[offsets[i] : offsets[i + 1]].astype(np.float32) / 32768
+        np.testing.assert_allclose(utterance.audio, expected, atol=1e-4)
+
+
 def test_time_boxed_run(trained, tmp_path):
     """``--minutes``: the run stops on time, the learning rate follows the time spent down its cosine, and
     snapshots start at ``--snapshot-progress``; ``--total-steps`` does not cut it short."""
