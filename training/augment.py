@@ -14,7 +14,7 @@ import numpy as np
 import soxr
 import torch
 
-from cosystream.models.features import hz_to_mel, mel_to_hz, mel_weights
+from cosystream.models.features import mel_edges_hz, mel_weights
 
 SAMPLE_RATE = 16000
 
@@ -162,8 +162,7 @@ def warp_factors(n: int, rng: np.random.Generator, max_warp: float, p: float = 0
 
 def mel_centres_hz(n_mels: int, f_min_hz: float, f_max_hz: float) -> np.ndarray:
     """The centre frequencies of the model's ``n_mels`` mel filters."""
-    edges = torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64)
-    return mel_to_hz(edges[1:-1]).numpy()
+    return mel_edges_hz(n_mels, f_min_hz, f_max_hz)[1:-1].numpy()
 
 
 def channel_gains_db(n: int, centres_hz: np.ndarray, rng: np.random.Generator, p: float = 0.8) -> np.ndarray:

@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         help="colour this share of the utterances with a random microphone/room equalizer curve (tilt, "
-        "resonances, low and high cuts) on the log-mel features (e.g. 0.8; 0 = off)",
+        "resonances, low and high cuts) on the log-mel features (e.g. 0.7; 0 = off)",
     )
     p.add_argument(
         "--init",

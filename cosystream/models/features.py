@@ -22,10 +22,15 @@ def mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
     return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
 
 
+def mel_edges_hz(n_mels: int, f_min_hz: float, f_max_hz: float) -> torch.Tensor:
+    """The ``n_mels + 2`` corner frequencies of the triangular filters (float64): filter ``k`` rises from edge
+    ``k``, peaks at ``k + 1`` (its centre) and falls to ``k + 2``."""
+    return mel_to_hz(torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64))
+
+
 def mel_weights(freq_hz: torch.Tensor, n_mels: int, f_min_hz: float, f_max_hz: float) -> torch.Tensor:
     """Each triangular HTK-style mel filter's weight at ``freq_hz [...]`` (float64): ``[..., n_mels]``."""
-    edges_mel = torch.linspace(hz_to_mel(f_min_hz), hz_to_mel(f_max_hz), n_mels + 2, dtype=torch.float64)
-    edges_hz = mel_to_hz(edges_mel)
+    edges_hz = mel_edges_hz(n_mels, f_min_hz, f_max_hz)
     lower, centre, upper = edges_hz[:-2], edges_hz[1:-1], edges_hz[2:]
     rising = (freq_hz[..., None] - lower) / (centre - lower)
     falling = (upper - freq_hz[..., None]) / (upper - centre)
