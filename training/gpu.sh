@@ -39,7 +39,7 @@ run() {  # NAME MINUTES ARGS...
   shift 2
   setsid nohup "$PY" -m training.train --corpus "$CORPUS" --run "$RUNS/$name" --minutes "$minutes" \
     --total-steps 100000 --workers 7 --threads 1 --bf16 --batch-seconds 128 --checkpoint-minutes 0.5 \
-    --snapshot-progress 0.8 --eval-minutes 1.5 --eval-limit 40 --log-every 100 "$@" \
+    --snapshot-progress 0.8 --eval-minutes 1.5 --eval-limit 40 --log-every 100 --vtlp 0.1 --channel-eq 0.7 "$@" \
     > "$RUNS/$name.out" 2>&1 < /dev/null &
   echo $! > "$RUNS/$name.pid"
 }
