@@ -449,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = json.loads(args.config)
     config = default_config(**overrides)
     vocab = {c: i for i, c in enumerate(config.vocabulary)}
+    # The mel filters' centres, where --channel-eq's gains apply: fixed by the config, drawn on every epoch.
+    centres_hz = mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz)
     corpus = Corpus(args.corpus)
     names = corpus.refresh()
     if not names:
@@ -585,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
             not args.no_augment,
             args.vtlp,
             args.channel_eq,
-            mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz),
+            centres_hz,
         )
         loader = torch.utils.data.DataLoader(
             source,
