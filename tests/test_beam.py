@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.decoding import DecoderConfig, DecoderFactory
 from cosystream.server.lm import NgramLm
-from training.lm import kneser_ney, write_arpa
+from training.lm import _discounts, interpolate, kneser_ney, perplexity, write_arpa
+from training.text import wordnet_examples
 
 VOCAB = ["<blank>", " ", "'", *"abcdefghijklmnopqrstuvwxyz"]
 ID = {s: i for i, s in enumerate(VOCAB)}
@@ -85,6 +88,92 @@ def test_seen_continuations_beat_unseen(lm):
     # Word-list words are known, with the probability left for unseen words.
     assert lm.known("cab") and lm.score((), "cab")[0] < lm.score((), "cat")[0]
     assert not lm.known("zebra") and lm.score((), "zebra")[0] == lm.score((), "<unk>")[0]
+
+
+def markov_text(seed: int, words: list[str], n: int = 600) -> list[list[str]]:
+    """Sentences from a random bigram chain with Zipf-like choices: n-grams seen 1, 2, 3, 4+ times."""
+    rng = random.Random(seed)
+    follow = {w: rng.sample(words, 6) for w in words}
+    out = []
+    for _ in range(n):
+        s = [rng.choice(words[:5])]
+        while len(s) < rng.randint(3, 9):
+            nxt = follow[s[-1]]
+            s.append(nxt[min(int(rng.expovariate(0.8)), len(nxt) - 1)])
+        out.append(s)
+    return out
+
+
+def load(tmp_path, model, name: str) -> NgramLm:
+    write_arpa(tmp_path / name, *model)
+    return NgramLm.load(tmp_path / name)
+
+
+def total_probability(lm: NgramLm, history: list[str]) -> float:
+    state = lm.start()
+    for w in history:
+        state = lm.score(state, w)[1]
+    return sum(math.exp(lm.score(state, w)[0]) for w in lm.words if w != "<s>")
+
+
+def test_modified_kneser_ney_discounts_follow_the_count_of_counts():
+    counts = Counter({**{i: 1 for i in range(1000)}, **{i: 2 for i in range(1000, 1300)}})
+    counts.update({i: 3 for i in range(2000, 2150)} | {i: 4 for i in range(3000, 3090)} | {"frequent": 50})
+    y = 1000 / (1000 + 2 * 300)
+    assert _discounts(counts, None) == pytest.approx(
+        (1 - 2 * y * 300 / 1000, 2 - 3 * y * 150 / 300, 3 - 4 * y * 90 / 150)
+    )
+    assert _discounts(counts, 0.6) == (0.6, 0.6, 0.6)
+    assert _discounts(Counter({"a": 1, "b": 1}), None) == (0.75, 0.75, 0.75)  # too few counts to estimate
+
+
+def test_modified_kneser_ney_is_a_distribution_and_fits_better(tmp_path):
+    words = [f"w{i}" for i in range(40)]
+    text = markov_text(1, words)
+    fit, dev = text[:500], text[500:]
+    modified, plain = kneser_ney(fit, 3, None, set(words)), kneser_ney(fit, 3, 0.75, set(words))
+    assert modified != plain
+    lm = load(tmp_path, modified, "m.arpa")
+    for history in ([], ["w0"], ["w0", words[-1]], [words[-1], words[-2]]):
+        assert total_probability(lm, history) == pytest.approx(1.0, abs=1e-3), history
+    assert perplexity(modified, dev) < perplexity(plain, dev)
+
+
+def test_interpolation_is_the_weighted_mixture_on_every_listed_ngram(tmp_path):
+    words = [f"w{i}" for i in range(40)]
+    a_text, b_text = markov_text(1, words), markov_text(2, words)
+    a, b = kneser_ney(a_text[:500], 3, None, set(words)), kneser_ney(b_text[:500], 3, None, set(words))
+    mixed = interpolate([a, b], [0.7, 0.3])
+    lm, la, lb = load(tmp_path, mixed, "mix.arpa"), load(tmp_path, a, "a.arpa"), load(tmp_path, b, "b.arpa")
+    for gram in random.Random(0).sample(sorted(g for g in mixed[0] if g[0] != "<s>" or len(g) > 1), 200):
+        states = []
+        for model in (lm, la, lb):
+            state = model.start() if gram[0] == "<s>" else ()
+            for w in gram[1 if gram[0] == "<s>" else 0 : -1]:
+                state = model.score(state, w)[1]
+            states.append(math.exp(model.score(state, gram[-1])[0]))
+        assert states[0] == pytest.approx(0.7 * states[1] + 0.3 * states[2], rel=2e-3), gram
+    for history in ([], ["w0"], ["w3", "w7"], ["w1", words[-1]]):
+        assert total_probability(lm, history) == pytest.approx(1.0, abs=1e-3), history
+    # Each side's held-out text: the mixture beats the model that never saw that kind of text.
+    assert perplexity(mixed, b_text[500:]) < perplexity(a, b_text[500:])
+    assert perplexity(mixed, a_text[500:]) < perplexity(b, a_text[500:])
+
+
+def test_wordnet_usage_examples_are_normalized_sentences(tmp_path):
+    (tmp_path / "data.noun").write_text(
+        "  1 This software and database is being provided to you, the LICENSEE, by Princeton University\n"
+        '00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived; "an entity of 3 parts"\n'
+        '00002137 03 n 02 abstraction 0 | a general concept; "ok"; "it\'s abstract, isn\'t it?"\n'
+    )
+    (tmp_path / "data.verb").write_text('00001740 29 v 01 breathe 0 | draw air; "She breathed in the air"\n')
+    for pos in ("adj", "adv"):
+        (tmp_path / f"data.{pos}").write_text("")
+    assert wordnet_examples(tmp_path) == [
+        "an entity of three parts",
+        "it's abstract isn't it",
+        "she breathed in the air",
+    ]
 
 
 def test_arpa_errors_name_the_file_and_line(tmp_path):

@@ -4,6 +4,8 @@ Sources (Debian packages, installed under ``/usr/share/games/fortunes``):
 
 * ``fortunes-min`` (the ``fortunes`` file) and ``fortunes`` (the other data files), BSD fortune(6)
   data; see ``/usr/share/doc/fortunes*/copyright``. The offensive collection (``fortunes-off``) is not used.
+* For the language model only: WordNet 3.0's usage examples (``wordnet-base``, ``/usr/share/wordnet``;
+  the WordNet 3.0 licence, a permissive BSD-style one: ``/usr/share/doc/wordnet-base/copyright``).
 
 Normalization: lower case; numbers, ordinals, years, decimals, money and percentages spelled out; ``&`` ->
 "and"; everything outside ``a-z``, apostrophe and space is removed. Sentences with code, URLs or other
@@ -16,6 +18,7 @@ import re
 from pathlib import Path
 
 FORTUNE_DIR = Path("/usr/share/games/fortunes")
+WORDNET_DIR = Path("/usr/share/wordnet")  # Debian wordnet-base
 # Files that are not prose (ascii art, translations, code) are skipped.
 SKIP_FILES = {"ascii-art", "art", "translate-me", "perl", "linux", "debian", "computers", "linuxcookie", "zippy"}
 ALPHABET = set(" 'abcdefghijklmnopqrstuvwxyz")
@@ -177,6 +180,21 @@ def fortune_sentences(directory: Path = FORTUNE_DIR) -> list[str]:
             body = re.sub(r"\s+", " ", body)
             for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'(])", body):
                 norm = normalize(sentence)
+                if norm:
+                    out[norm] = None
+    return list(out)
+
+
+def wordnet_examples(directory: Path = WORDNET_DIR) -> list[str]:
+    """WordNet 3.0's usage examples (the quoted phrases in its glosses, e.g. "she was able to program her
+    computer"), normalized, deduplicated, in a deterministic order. Text for the language model only."""
+    out: dict[str, None] = {}
+    for pos in ("noun", "verb", "adj", "adv"):
+        for line in (directory / f"data.{pos}").read_text(encoding="latin-1").splitlines():
+            if line.startswith("  ") or "|" not in line:  # the licence header
+                continue
+            for example in re.findall(r'"([^"]+)"', line.split("|", 1)[1]):
+                norm = normalize(example)
                 if norm:
                     out[norm] = None
     return list(out)
