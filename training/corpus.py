@@ -350,15 +350,15 @@ def _piper_voice(name: str) -> PiperVoice:
 
         import onnxruntime
         from piper import PiperVoice
+        from piper.config import PiperConfig
 
         path = str(importlib.import_module(PIPER[name]).model_path())
-        voice = PiperVoice.load(path)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = 1
-        voice.session = onnxruntime.InferenceSession(
-            path, sess_options=options, providers=["CPUExecutionProvider"]
+        _PIPER_VOICES[name] = PiperVoice(
+            config=PiperConfig.from_dict(json.loads(Path(f"{path}.json").read_text(encoding="utf-8"))),
+            session=onnxruntime.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"]),
         )
-        _PIPER_VOICES[name] = voice
     return _PIPER_VOICES[name]
 
 
