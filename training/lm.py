@@ -46,9 +46,9 @@ def _discounts(counts: Counter, fixed: float | None) -> tuple[float, float, floa
 
 
 def kneser_ney(
-    sentences: list[list[str]], order: int = 3, discount: float | None = None, extra_words: set[str] = frozenset()
+    sentences: list[list[str]], order: int = 3, discount: float | None = 0.75, extra_words: set[str] = frozenset()
 ) -> tuple[dict, dict]:
-    """Interpolated Kneser-Ney, modified (three discounts per order) unless one ``discount`` is given.
+    """Interpolated Kneser-Ney with one absolute ``discount``, or modified (three per order) with ``None``.
     Returns ``(logprobs, backoffs)`` keyed by word tuples, natural logs."""
     raw: list[Counter] = [Counter() for _ in range(order + 1)]
     for s in sentences:
@@ -112,7 +112,7 @@ def interpolate(models: list[tuple[dict, dict]], weights: list[float]) -> tuple[
     """One back-off model equal to ``sum(weight * P_model)`` on every n-gram any model lists (SRILM's
     static mixture); a context's back-off weight renormalizes what the mixture leaves to its lower order.
     The models must share the vocabulary (give them the same ``extra_words``)."""
-    grams = sorted(set().union(*(m[0] for m in models)), key=len)
+    grams = set().union(*(m[0] for m in models))
     logprobs: dict[tuple, float] = {}
     for gram in grams:
         if gram == (BOS,):
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tune:
         dev = sentences[::20]
         fit = [s for i, s in enumerate(sentences) if i % 20]
-        for discount in (args.discount, None) if args.discount is not None else (None,):
+        for discount in [args.discount, None] if args.discount is not None else [None]:
             for weight in (0.0, 0.1, 0.2, 0.3, 0.4):
                 model = build(fit, wordnet, weight, args.order, discount, extra)
                 name = "modified" if discount is None else discount
