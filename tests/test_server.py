@@ -6,8 +6,10 @@ the words; recognition quality is measured by the accuracy benchmark.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import grpc
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cosystream.server.decoding import DecoderConfig
+from cosystream.server.session import Session
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import HeldStream, local_server
@@ -294,6 +297,28 @@ def test_idle_timeout(stub):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.StreamingRecognize(requests(), timeout=30))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def live_sessions() -> list[Session]:
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is Session]
+
+
+def test_a_finished_stream_lets_go_of_its_session_at_once(stub):
+    """Nothing, the idle watchdog's timer included, keeps a finished stream's session (its resampler,
+    VAD and decoder state) alive: the frontend's memory follows the open streams, not the recent ones."""
+    wait_active(stub, 0)
+    earlier = weakref.WeakSet(live_sessions())  # other tests' streams, on their way out
+
+    def ours() -> int:
+        return sum(s not in earlier for s in live_sessions())
+
+    for _ in range(3):
+        run_stream(stub, config(), encode(speech(OTHER), "LINEAR16"))
+    deadline = time.monotonic() + 1.5  # well inside the 3 s idle timeout
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ours() == 0
 
 
 # --- slots -----------------------------------------------------------------------------------------

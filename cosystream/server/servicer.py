@@ -114,6 +114,7 @@ class _Stream:
             on_result_latency=lambda s: metrics.observe_result(priority_label, s),
         )
         self.reader: asyncio.Task | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
         self.last_request_s = time.monotonic()
 
     # SessionSink, called by the engine client.
@@ -165,7 +166,7 @@ class _Stream:
             if self.reader is not None:
                 self.reader.cancel()
             return
-        asyncio.get_running_loop().call_later(timeout_s - idle_s, self._watch_idle)
+        self.idle_timer = asyncio.get_running_loop().call_later(timeout_s - idle_s, self._watch_idle)
 
     async def read(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
         session = self.session
@@ -278,6 +279,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         finally:
             stream.closed = True
             stream.reader.cancel()
+            if stream.idle_timer is not None:
+                stream.idle_timer.cancel()  # it holds the stream (session, decoder) until it fires
             self.engine.close(stream.key)
             self._streams.discard(stream)
             log.info("session %s closed: %s", stream.session_id, outcome, extra={"session_id": stream.session_id})
