@@ -88,8 +88,8 @@ class Server:
         self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.metrics_port)) == 0:
+            with socket.socket() as s:  # the gRPC port opens once the engine is warm
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return self
             if self.process.poll() is not None:
                 break

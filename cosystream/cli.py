@@ -186,7 +186,15 @@ def serve(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout_s, default_endpointing=endpointing, frontends=args.frontends
         ),
     )
-    return Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir, naive=args.naive).run()
+    supervisor = Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir, naive=args.naive)
+    try:
+        supervisor.serve_metrics()
+    except OSError as err:
+        sys.exit(
+            f"cosystream serve: cannot serve metrics on port {args.metrics_port}: {err.strerror or err} "
+            "(--metrics-port picks another, 0 turns metrics off)"
+        )
+    return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -218,3 +218,19 @@ def test_serve_refuses_a_bad_decoder_setup_with_one_line(tmp_path, args, message
     assert run.returncode == 1
     assert run.stderr.startswith("cosystream serve: ") and message in run.stderr
     assert run.stderr.count("\n") == 1, run.stderr
+
+
+def test_serve_refuses_a_busy_metrics_port_with_one_line():
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "cosystream.cli", "serve", "--port", "0", "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert run.returncode == 1
+    assert run.stderr.startswith(f"cosystream serve: cannot serve metrics on port {port}: "), run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr

@@ -59,6 +59,11 @@ class Supervisor:
         self.naive = naive
         self.children: list[mp.Process] = []
 
+    def serve_metrics(self) -> None:
+        """Bind ``/metrics`` before anything starts, so a busy port fails at once (``OSError``)."""
+        if self.metrics_port:
+            serve_metrics(self.metrics_port)
+
     def run(self) -> int:
         if self.naive:
             return asyncio.run(self._serve_naive())
@@ -85,8 +90,6 @@ class Supervisor:
         engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions, self.process.decoder)
         frontend = Frontend(self.frontend_config, "", b"", engine=engine)
         port = await frontend.start()
-        if self.metrics_port:
-            serve_metrics(self.metrics_port)
         log.info("cosystream serving on port %d with 1 frontend(s) (naive mode: no engine, no batching)", port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -130,7 +133,6 @@ class Supervisor:
             child.start()
             self.children.append(child)
         if self.metrics_port:
-            serve_metrics(self.metrics_port)
             log.info("metrics on :%d/metrics", self.metrics_port)
         log.info("cosystream serving on port %d with %d frontend(s)", port, self.frontends)
         status = 0
