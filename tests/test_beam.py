@@ -68,17 +68,19 @@ def decode(decoder, pattern: str, step: int = 0, **kwargs) -> str:
     return decoder.text
 
 
+def total_probability(lm: NgramLm, history: list[str]) -> float:
+    state = lm.start()
+    for w in history:
+        state = lm.score(state, w)[1]
+    return sum(math.exp(lm.score(state, w)[0]) for w in lm.words if w != "<s>")
+
+
 # --- the language model --------------------------------------------------------------------------------------
 
 
 def test_kneser_ney_is_a_distribution_in_every_context(lm):
-    words = [w for w in lm.words if w != "<s>"]
     for history in ([], ["the"], ["the", "cat"], ["a", "dog"], ["never", "seen"]):
-        state = lm.start()
-        for w in history:
-            state = lm.score(state, w)[1]
-        total = sum(math.exp(lm.score(state, w)[0]) for w in words)
-        assert total == pytest.approx(1.0, abs=1e-3), history
+        assert total_probability(lm, history) == pytest.approx(1.0, abs=1e-3), history
 
 
 def test_seen_continuations_beat_unseen(lm):
@@ -107,13 +109,6 @@ def markov_text(seed: int, words: list[str], n: int = 600) -> list[list[str]]:
 def load(tmp_path, model, name: str) -> NgramLm:
     write_arpa(tmp_path / name, *model)
     return NgramLm.load(tmp_path / name)
-
-
-def total_probability(lm: NgramLm, history: list[str]) -> float:
-    state = lm.start()
-    for w in history:
-        state = lm.score(state, w)[1]
-    return sum(math.exp(lm.score(state, w)[0]) for w in lm.words if w != "<s>")
 
 
 def test_modified_kneser_ney_discounts_follow_the_count_of_counts():

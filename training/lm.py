@@ -164,18 +164,17 @@ def write_arpa(path: Path, logprobs: dict, backoffs: dict) -> None:
 def build(
     sentences: list[list[str]],
     extra_text: list[list[str]],
-    extra_weight: float,
+    extra_weights: list[float],
     order: int,
     discount: float | None,
     words: set[str],
-) -> tuple[dict, dict]:
-    """The corpus model, mixed with a model of ``extra_text`` at ``extra_weight`` when that is > 0."""
+) -> list[tuple[dict, dict]]:
+    """The corpus model mixed with a model of ``extra_text`` at each of ``extra_weights`` (0: the corpus model
+    alone); both models are counted once, whatever the number of weights."""
     words = words | {w for s in (*sentences, *extra_text) for w in s}
     model = kneser_ney(sentences, order, discount, words)
-    if extra_weight <= 0:
-        return model
-    other = kneser_ney(extra_text, order, discount, words)
-    return interpolate([model, other], [1.0 - extra_weight, extra_weight])
+    other = kneser_ney(extra_text, order, discount, words) if max(extra_weights) > 0 else None
+    return [interpolate([model, other], [1.0 - w, w]) if w > 0 else model for w in extra_weights]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,12 +219,14 @@ def main(argv: list[str] | None = None) -> None:
         dev = sentences[::20]
         fit = [s for i, s in enumerate(sentences) if i % 20]
         for discount in [args.discount, None] if args.discount is not None else [None]:
-            for weight in (0.0, 0.1, 0.2, 0.3, 0.4):
-                model = build(fit, wordnet, weight, args.order, discount, extra)
+            weights = [0.0, 0.1, 0.2, 0.3, 0.4]
+            for weight, model in zip(
+                weights, build(fit, wordnet, weights, args.order, discount, extra), strict=True
+            ):
                 name = "modified" if discount is None else discount
                 print(f"discount {name}, WordNet weight {weight}: dev perplexity {perplexity(model, dev):.1f}")
         return
-    logprobs, backoffs = build(sentences, wordnet, args.wordnet_weight, args.order, args.discount, extra)
+    [(logprobs, backoffs)] = build(sentences, wordnet, [args.wordnet_weight], args.order, args.discount, extra)
     write_arpa(args.out, logprobs, backoffs)
     n = Counter(len(g) for g in logprobs)
     evaluation = perplexity((logprobs, backoffs), [s.split() for s in text["eval"]])
