@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import tempfile
 
@@ -53,6 +54,18 @@ def decoder_config(args: argparse.Namespace):
     if beam.beam_size < 1:
         raise ValueError("--beam-size must be >= 1")
     return DecoderConfig(args.decoder, args.lm, beam).resolve(args.model)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``OSError`` if ``host:port`` is taken, also by another server whose frontends share their port
+    through SO_REUSEPORT (a plain bind fails beside them, where the frontends' own binds would succeed)."""
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's own bind: TIME_WAIT is fine
+            probe.bind(address)
+        return
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +200,12 @@ def serve(args: argparse.Namespace) -> int:
         ),
     )
     supervisor = Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir, naive=args.naive)
+    try:
+        check_port_free(args.host, args.port)
+    except OSError as err:
+        sys.exit(
+            f"cosystream serve: cannot serve on port {args.port}: {err.strerror or err} (--port picks another)"
+        )
     try:
         supervisor.serve_metrics()
     except OSError as err:

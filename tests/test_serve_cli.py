@@ -220,17 +220,31 @@ def test_serve_refuses_a_bad_decoder_setup_with_one_line(tmp_path, args, message
     assert run.stderr.count("\n") == 1, run.stderr
 
 
+def refused_beside(busy: socket.socket, *serve_args: str) -> str:
+    """``cosystream serve *serve_args`` (``{port}``: ``busy``'s port) while ``busy`` listens: its one line."""
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    args = [a.replace("{port}", port) for a in serve_args]
+    run = subprocess.run(
+        [sys.executable, "-m", "cosystream.cli", "serve", *args], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    return run.stderr
+
+
 def test_serve_refuses_a_busy_metrics_port_with_one_line():
     with socket.socket() as busy:
-        busy.bind(("0.0.0.0", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        run = subprocess.run(
-            [sys.executable, "-m", "cosystream.cli", "serve", "--port", "0", "--metrics-port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert run.returncode == 1
-    assert run.stderr.startswith(f"cosystream serve: cannot serve metrics on port {port}: "), run.stderr
-    assert run.stderr.count("\n") == 1, run.stderr
+        line = refused_beside(busy, "--port", "0", "--metrics-port", "{port}")
+        assert line.startswith(f"cosystream serve: cannot serve metrics on port {busy.getsockname()[1]}: "), line
+
+
+@pytest.mark.parametrize("reuseport", [False, True], ids=["plain", "another-cosystream"])
+def test_serve_refuses_a_busy_grpc_port_with_one_line(reuseport):
+    """A port another program listens on, or another server whose frontends share it (SO_REUSEPORT, as
+    cosystream's do): serve must not start beside it and split its connections."""
+    with socket.socket() as busy:
+        if reuseport:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        line = refused_beside(busy, "--port", "{port}", "--metrics-port", "0")
+        assert line.startswith(f"cosystream serve: cannot serve on port {busy.getsockname()[1]}: "), line
