@@ -455,3 +455,56 @@ def test_fine_tune_can_append_residual_blocks(trained, tmp_path):
     assert loss(tuned) < 0.5 * loss(scratch), (loss(tuned), loss(scratch))
     with pytest.raises(SystemExit, match="must extend"):
         train.deepen(small.config, small.state_dict(), (2, 2, 4, 8), seed=0)
+
+
+def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp_path):
+    """``--lexicon`` turns the vocabulary into the lexicon's phoneme units: ``--init``'s output layer is
+    replaced, the rest kept, and ``--head-only-steps`` trains the new layer alone before the body joins.
+    ``training.export --lexicon`` ships the lexicon, and the model directory then decodes with it."""
+    from cosystream.server.decoding import LEXICON_FILE, DecoderConfig
+    from training import export, phonemes, train
+
+    lexicon, _ = phonemes.build(w for s in SENTENCES for w in s.split())
+    phonemes.write_lexicon(lexicon, tmp_path / "lexicon.tsv")
+    run = tmp_path / "run"
+    args = [
+        "--corpus",
+        str(trained.parent / "corpus"),
+        "--run",
+        str(run),
+        "--total-steps",
+        "6",
+        "--max-steps",
+        "3",
+    ]
+    args += ["--no-augment", "--log-every", "1", "--eval-limit", "1", "--warmup", "1"]
+    args += ["--init", str(trained / "last.pt"), "--lexicon", str(tmp_path / "lexicon.tsv")]
+    train.main([*args, "--head-only-steps", "2", "--checkpoint-minutes", "0", "--snapshots-from", "2"])
+
+    units = phonemes.vocabulary(lexicon)
+    before = torch.load(trained / "last.pt", weights_only=False)["model"]
+    frozen, trained_on = (torch.load(run / f"snap_{n}.pt", weights_only=False) for n in (2, 3))
+    assert frozen["config"]["vocabulary"] == units and frozen["model"]["head.weight"].shape[0] == len(units)
+    body = [k for k in before if not k.startswith(("head.", "out_norm."))]
+    assert body and all(torch.equal(frozen["model"][k], before[k]) for k in body)
+    assert any(not torch.equal(trained_on["model"][k], before[k]) for k in body)
+    events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in events if r["event"].startswith("body")] == [
+        ("body frozen", 0),
+        ("body trained", 2),
+    ]
+
+    out = tmp_path / "model"
+    export.main(
+        [
+            "--checkpoint",
+            str(run / "last.pt"),
+            "--out",
+            str(out),
+            "--lexicon",
+            str(tmp_path / "lexicon.tsv"),
+            "--no-eval",
+        ]
+    )
+    assert load_model(out).vocabulary == units
+    assert DecoderConfig().resolve(str(out)).lexicon_path == str(out / LEXICON_FILE)

@@ -7,6 +7,9 @@ Writes ``config.json``, ``vocabulary.json`` and ``model.safetensors`` (float32) 
 ``--no-eval``) writes ``eval.json`` and ``eval.md`` beside them: WER/CER per voice group, at 16 kHz and after
 an 8 kHz mu-law round trip, on all held-out sentences, with greedy decoding and with beam search against
 the language model ``--lm`` (default: the one shipped beside the default model), copied into the export.
+A phoneme model (trained with ``training.train --lexicon``) needs that lexicon here too: it is written
+into the export as ``lexicon.tsv.gz``, and its greedy table scores phoneme strings (CER = phoneme error
+rate) against the sentences' pronunciations.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lm", type=Path, default=Path("cosystream/models/default/lm.arpa.gz"))
+    p.add_argument("--lexicon", type=Path, help="a phoneme model's pronunciation lexicon (training.phonemes)")
     p.add_argument(
         "--save-checkpoint",
         type=Path,
@@ -101,6 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     export(model, args.out)
     if args.lm.is_file() and args.lm.resolve() != (args.out / "lm.arpa.gz").resolve():
         shutil.copyfile(args.lm, args.out / "lm.arpa.gz")
+    units = None
+    if args.lexicon is not None:
+        from training.phonemes import read_lexicon, to_units, write_lexicon
+
+        lexicon = read_lexicon(args.lexicon)
+        write_lexicon(lexicon, args.out / "lexicon.tsv.gz")
+
+        def units(text: str) -> str:
+            return to_units(text, lexicon)
+
     print(f"exported step {ck['step']} ({ck['audio_seen'] / 3600:.1f} h of audio seen) to {args.out}")
     if args.save_checkpoint is not None:
         light = {k: ck[k] for k in ("config", "step", "epoch", "audio_seen", "train_seconds")}
@@ -111,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     from training.train import HELD_OUT, evaluate, load_eval
 
     loaded, groups = load_model(args.out), load_eval(args.corpus)
-    tables = {"greedy": evaluate(loaded, groups, torch.device("cpu"), examples=5)}
+    spelled = groups if units is None else {g: (a, [units(t) for t in texts]) for g, (a, texts) in groups.items()}
+    tables = {"greedy": evaluate(loaded, spelled, torch.device("cpu"), examples=5)}
     if (args.out / "lm.arpa.gz").is_file():
         decoders = DecoderFactory(DecoderConfig("beam").resolve(str(args.out)), loaded.vocabulary)
         tables["beam"] = evaluate(loaded, groups, torch.device("cpu"), examples=5, decoders=decoders)

@@ -42,6 +42,8 @@ from training.augment import (
     warped_log_mel,
 )
 from training.corpus import HELD_OUT, load_shard
+from training.phonemes import read_lexicon, to_units
+from training.phonemes import vocabulary as unit_vocabulary
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_PATH = ROOT / "cosystream" / "models" / "default" / "vocabulary.json"
@@ -133,8 +135,10 @@ class BatchSource(torch.utils.data.Dataset):
         vtlp: float = 0.0,
         channel_eq: float = 0.0,
         mel_centres_hz: np.ndarray | None = None,
+        units=None,
     ):
         self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
+        self.units = units  # text -> the model's unit string (phonemes); None: the text itself
         self.seed, self.epoch, self.first, self.augment_on, self.vtlp = seed, epoch, first, augment_on, vtlp
         self.channel_eq, self.mel_centres_hz = channel_eq, mel_centres_hz
 
@@ -148,7 +152,7 @@ class BatchSource(torch.utils.data.Dataset):
         for name, idx, _ in self.batches[index]:
             pcm, text = self.corpus.get(name, idx)
             pcms.append(augment(pcm, rng) if self.augment_on else pcm)
-            targets.append(encode_text(text, self.vocab))
+            targets.append(encode_text(text if self.units is None else self.units(text), self.vocab))
         audio = torch.zeros(len(pcms), max(x.size for x in pcms))
         for row, x in enumerate(pcms):
             audio[row, : x.size] = torch.from_numpy(x)
@@ -202,14 +206,17 @@ def greedy_decode(logits: torch.Tensor, length: int, vocabulary: list[str]) -> s
     return " ".join("".join(out).split())
 
 
-def load_eval(directory: Path, limit: int | None = None) -> dict[str, tuple[list[np.ndarray], list[str]]]:
+def load_eval(
+    directory: Path, limit: int | None = None, units=None
+) -> dict[str, tuple[list[np.ndarray], list[str]]]:
+    """The corpus' evaluation groups; ``units`` maps their texts to the model's units (phonemes)."""
     groups = {}
     for path in sorted((directory / "eval").glob("*.npz")):
         audio, offsets, texts, _ = load_shard(path)
         n = len(texts) if limit is None else min(limit, len(texts))
         groups[path.stem] = (
             [audio[offsets[i] : offsets[i + 1]].astype(np.float32) / 32768.0 for i in range(n)],
-            texts[:n],
+            texts[:n] if units is None else [units(t) for t in texts[:n]],
         )
     return groups
 
@@ -324,10 +331,17 @@ def save_checkpoint(path: Path, **state) -> None:
 def model_and_optimizer(
     config: ConvCtcConfig, state: dict | None, weight_decay: float, lr: float
 ) -> tuple[ConvCtcModel, torch.optim.AdamW]:
-    """The model (with ``state``'s weights, if given) and its AdamW (no weight decay on norms and biases)."""
+    """The model (with ``state``'s weights, if given) and its AdamW (no weight decay on norms and biases).
+
+    A ``state`` whose output layer has another vocabulary's size keeps everything else: the output layer
+    starts fresh (new output units on a trained network)."""
     model = ConvCtcModel(config)
     if state is not None:
-        model.load_state_dict(state)
+        if state["head.weight"].shape != model.head.weight.shape:
+            state = {k: v for k, v in state.items() if not k.startswith("head.")}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any(not k.startswith("head.") for k in missing):
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
@@ -405,6 +419,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--config", type=str, default="{}", help="JSON overrides of the default ConvCtcConfig")
+    p.add_argument(
+        "--head-only-steps",
+        type=int,
+        default=0,
+        help="train only the output layer (and its norm) for this many steps first, e.g. after --lexicon "
+        "gave an --init model new output units; the learning rate then warms up again over --warmup steps",
+    )
+    p.add_argument(
+        "--lexicon",
+        type=Path,
+        help="train phoneme units: a training.phonemes lexicon file; the vocabulary becomes its units, and "
+        "an --init model's output layer starts fresh",
+    )
     p.add_argument("--no-augment", action="store_true")
     p.add_argument(
         "--vtlp",
@@ -448,7 +475,14 @@ def main(argv: list[str] | None = None) -> None:
 
     overrides = json.loads(args.config)
     config = default_config(**overrides)
-    vocab = {c: i for i, c in enumerate(config.vocabulary)}
+    units = None
+    if args.lexicon is not None:
+        lexicon = read_lexicon(args.lexicon)
+        config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(lexicon)))
+
+        def units(text: str) -> str:
+            return to_units(text, lexicon)
+
     # The mel filters' centres, where --channel-eq's gains apply: fixed by the config, drawn on every epoch.
     centres_hz = mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz)
     corpus = Corpus(args.corpus)
@@ -468,6 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.init is not None:
         init = torch.load(args.init, weights_only=False)
         config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
+    if units is not None and weights is not None and ck is None:
+        config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(lexicon)))
+    vocab = {c: i for i, c in enumerate(config.vocabulary)}
     deeper = overrides.get("dilations")
     if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
         config, weights = deepen(config, weights, tuple(deeper), args.seed)
@@ -506,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
             if torch.is_tensor(v):
                 state[k] = v.to(device)
     ctc = torch.nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
-    eval_groups = load_eval(args.corpus, args.eval_limit)
+    eval_groups = load_eval(args.corpus, args.eval_limit, units)
     budget_s = None if args.minutes is None else args.minutes * 60
     # A time-boxed run stops on time (or at an explicit --max-steps), never at the default --total-steps.
     max_steps = args.max_steps or (None if budget_s else args.total_steps)
@@ -556,6 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     last_ckpt = last_eval = time.time()
     loss_sum = loss_n = 0.0
     t_interval = time.time()
+    body_frozen = False  # by --head-only-steps
     model.train()
     while more():
         if epoch_shards is None:
@@ -588,6 +626,7 @@ def main(argv: list[str] | None = None) -> None:
             args.vtlp,
             args.channel_eq,
             centres_hz,
+            units,
         )
         loader = torch.utils.data.DataLoader(
             source,
@@ -601,10 +640,20 @@ def main(argv: list[str] | None = None) -> None:
         for batch in loader:
             if not more():
                 break
+            head_only = step < args.head_only_steps
+            if head_only != body_frozen:
+                for name, param in model.named_parameters():
+                    param.requires_grad_(not head_only or name.startswith(("head.", "out_norm.")))
+                body_frozen = head_only
+                log({"event": "body " + ("frozen" if head_only else "trained"), "step": step})
+            lr = lr_at(
+                step, args.peak_lr, args.warmup, args.total_steps, progress=progress() if budget_s else None
+            )
+            if args.head_only_steps and step >= args.head_only_steps:
+                # The body's fresh AdamW state would take full-size steps at once: warm up again.
+                lr *= min(1.0, (step - args.head_only_steps + 1) / args.warmup)
             for group in opt.param_groups:
-                group["lr"] = lr_at(
-                    step, args.peak_lr, args.warmup, args.total_steps, progress=progress() if budget_s else None
-                )
+                group["lr"] = lr
             audio = batch["audio"].to(device, non_blocking=True)
             if batch["warp"] is not None:
                 features = warped_log_mel(model, audio, batch["warp"].to(device))

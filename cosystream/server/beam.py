@@ -1,7 +1,8 @@
 """Streaming CTC prefix beam search over a word lexicon, scored with a word n-gram language model.
 
 Each frame extends the ``beam_size`` best prefixes (Hannun et al., 2014) by the tokens within
-``token_prune`` nats of the frame's best; a word may only be spelled along the lexicon trie, and when it
+``token_prune`` nats of the frame's best; a word may only be spelled along the lexicon trie (by its letters,
+or by its pronunciation for a phoneme model), and when it
 completes (a space is emitted, or the utterance ends) the prefix gains ``alpha * ln P_lm(word | history) +
 beta``. Frames whose blank probability is at least ``blank_skip`` only carry every prefix over. The cost is
 O(beam_size * tokens tried) Python operations per non-blank frame; ``benchmarks/accuracy.py`` prints it per
@@ -13,9 +14,11 @@ column of the engine's ``[frames, top_k]`` candidates, where greedy decoding rea
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -44,47 +47,90 @@ class BeamConfig:
     max_tokens: int = 6  # at most this many tokens tried per frame
 
 
-class Lexicon:
-    """A character trie of the words the beam search may spell. Node: ``[children, word, lookahead]``."""
+def read_spellings(path: str | Path) -> dict[str, str]:
+    """A pronunciation lexicon file: ``word<TAB>spelling`` per line, the spelling in the model's
+    one-character tokens (gzip when the name ends in .gz)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    spellings: dict[str, str] = {}
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            word, tab, spelling = line.rstrip("\n").partition("\t")
+            if not tab or not word or not spelling:
+                raise ValueError(f"{path}:{number}: expected 'word<TAB>spelling'")
+            spellings[word] = spelling
+    return spellings
 
-    def __init__(self, words, vocabulary: list[str], lm: NgramLm | None = None) -> None:
+
+class Lexicon:
+    """A trie of the words the beam search may spell, over the model's tokens.
+
+    A word is spelled by its letters, or, with ``spellings`` (word -> a string of one-character tokens, e.g.
+    a phoneme model's pronunciations), by that string. Words with the same spelling (homophones) share a
+    node: the ``homophones`` likeliest by unigram are kept, and each completes the spelling as a separate
+    hypothesis, so the language model's context chooses among them.
+
+    Node: ``[children, words, lookahead, guess]``: ``words`` a tuple (or None), ``lookahead`` the best unigram
+    ln P of the words below (0 at the root), ``guess`` that word (shown for a word still being spelled).
+    """
+
+    def __init__(
+        self,
+        words,
+        vocabulary: list[str],
+        lm: NgramLm | None = None,
+        spellings: dict[str, str] | None = None,
+        homophones: int = 3,
+    ) -> None:
         self.ids = {ch: i for i, ch in enumerate(vocabulary) if i > 0 and ch != " "}
-        self.root: list = [{}, None, 0.0]
+        self.spelled = spellings is None  # words are spelled by their own letters
+        self.root: list = [{}, None, 0.0, None]
         self.size = 0
+        unigram = (lambda w: lm.score((), w)[0]) if lm is not None else (lambda w: 0.0)
         for w in words:
-            if not w or any(ch not in self.ids for ch in w):
+            spelling = w if spellings is None else spellings.get(w)
+            if not w or not spelling or any(ch not in self.ids for ch in spelling):
                 continue
             node = self.root
-            for ch in w:
-                node = node[0].setdefault(self.ids[ch], [{}, None, 0.0])
+            for ch in spelling:
+                node = node[0].setdefault(self.ids[ch], [{}, None, 0.0, None])
             if node[1] is None:
-                node[1] = w
+                node[1] = (w,)
                 self.size += 1
-        if lm is not None:
-            self._lookahead(self.root, lm, 0)
+            elif w not in node[1]:
+                node[1] = (*node[1], w)
+                self.size += 1
+        self._settle(self.root, unigram, homophones, 0)
 
-    def _lookahead(self, node: list, lm: NgramLm, depth: int) -> float:
-        """Store in every node below the root the best unigram ln P of the words it can still become."""
-        best = lm.score((), node[1])[0] if node[1] is not None else -1e9
+    def _settle(self, node: list, unigram, homophones: int, depth: int) -> tuple[float, str | None]:
+        """Rank each node's homophones and store the best reachable word and its unigram ln P below it."""
+        best, guess = -1e9, None
+        if node[1] is not None:
+            ranked = sorted(node[1], key=lambda w: (-unigram(w), w))
+            node[1] = tuple(ranked[:homophones])
+            best, guess = unigram(ranked[0]), ranked[0]
         for child in node[0].values():
-            best = max(best, self._lookahead(child, lm, depth + 1))
+            score, word = self._settle(child, unigram, homophones, depth + 1)
+            if score > best:
+                best, guess = score, word
         node[2] = best if depth else 0.0
-        return best
+        node[3] = guess
+        return best, guess
 
     @classmethod
-    def from_lm(cls, lm: NgramLm, vocabulary: list[str]) -> Lexicon:
+    def from_lm(cls, lm: NgramLm, vocabulary: list[str], spellings: dict[str, str] | None = None) -> Lexicon:
         """The language model's words (``<s>``, ``</s>`` and ``<unk>`` left out)."""
-        return cls([w for w in lm.words if lm.known(w)], vocabulary, lm)
+        return cls([w for w in lm.words if lm.known(w)], vocabulary, lm, spellings)
 
 
 class _Prefix:
     __slots__ = ("ctx", "end", "last", "lm", "node", "partial", "pb", "pnb", "start", "text", "wlp", "words")
 
     def __init__(self, text, last, node, partial, ctx, lm, words, start, end, wlp):
-        self.text = text  # committed words and the partial word, space separated
+        self.text = text  # committed words and the partial word's spelling, space separated
         self.last = last  # last emitted token id (0 when none, or after a word break)
         self.node = node  # lexicon node of the partial word
-        self.partial = partial  # the partial word's characters
+        self.partial = partial  # the partial word's spelling
         self.ctx = ctx  # language model state
         self.lm = lm  # accumulated alpha * ln P_lm + beta * words
         self.words = words  # tuple of finished Words
@@ -202,18 +248,19 @@ class BeamCtcDecoder:
                         q = nxt[text] = p.copy()
                     q.pb = _lse(q.pb, total + lp)
                 elif k == space:
-                    word = p.node[1]
-                    if word is None:
+                    if p.node[1] is None:
                         continue  # not a lexicon word
-                    key = text + " "
-                    q = nxt.get(key)
-                    if q is None:
-                        lm_lp, ctx = self.lm.score(p.ctx, word)
-                        lm = p.lm + cfg.alpha * lm_lp + cfg.beta
-                        words = (*p.words, self._partial_word(p))
-                        q = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, words, 0, 0, 0.0)
-                        nxt[key] = q
-                    q.pnb = _lse(q.pnb, total + lp)
+                    committed = text[: len(text) - len(p.partial)]
+                    for word in p.node[1]:
+                        key = committed + word + " "
+                        q = nxt.get(key)
+                        if q is None:
+                            lm_lp, ctx = self.lm.score(p.ctx, word)
+                            lm = p.lm + cfg.alpha * lm_lp + cfg.beta
+                            words = (*p.words, self._word(p, word))
+                            q = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, words, 0, 0, 0.0)
+                            nxt[key] = q
+                        q.pnb = _lse(q.pnb, total + lp)
                 elif k == p.last:
                     q = nxt.get(text)  # a repeated token collapses
                     if q is None:
@@ -262,16 +309,23 @@ class BeamCtcDecoder:
         words = p.words
         ctx = p.ctx
         if p.partial:
-            word = p.node[1]
-            if word is None:
+            if p.node[1] is None:
                 return score - 1e3, (*words, self._partial_word(p))
-            lm_lp, ctx = self.lm.score(ctx, word)
+            # The homophone the language model likes best here ends the utterance.
+            scored = [(*self.lm.score(ctx, w), w) for w in p.node[1]]
+            lm_lp, ctx, word = max(scored, key=lambda s: s[0])
             score += cfg.alpha * lm_lp + cfg.beta
-            words = (*words, self._partial_word(p))
+            words = (*words, self._word(p, word))
         return score + cfg.alpha * self.lm.end(ctx), words
 
+    def _word(self, p: _Prefix, word: str) -> Word:
+        return Word(word, p.start * self.frame_ms, p.end * self.frame_ms, p.word_confidence())
+
     def _partial_word(self, p: _Prefix) -> Word:
-        return Word(p.partial, p.start * self.frame_ms, p.end * self.frame_ms, p.word_confidence())
+        """The word in progress: its letters, or for a pronunciation lexicon the likeliest word it can
+        still become (its spelling when none)."""
+        word = p.partial if self.lexicon.spelled else (p.node[3] or p.partial)
+        return self._word(p, word)
 
     def finalize(self) -> None:
         """The utterance has ended: pick the best hypothesis with its last word and ``</s>`` scored.
@@ -286,7 +340,9 @@ class BeamCtcDecoder:
         """The best hypothesis so far (the word in progress included)."""
         if self._finished is not None:
             return " ".join(w.word for w in self._finished)
-        return self._best.text.strip()
+        if self.lexicon.spelled or not self._best.partial:
+            return self._best.text.strip()
+        return " ".join(w.word for w in self.words())
 
     def words(self) -> list[Word]:
         if self._finished is not None:

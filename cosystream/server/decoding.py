@@ -2,7 +2,9 @@
 
 ``greedy`` reads each frame's best token; ``beam`` runs :class:`~cosystream.server.beam.BeamCtcDecoder`
 against a word n-gram language model (ARPA). ``auto`` picks ``beam`` when the model directory ships a
-``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. The engine process resolves
+``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. A model whose tokens are
+phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search then spells words by it, and
+greedy decoding (which would print phonemes) is refused. The engine process resolves
 the choice once and passes it to every frontend in its HELLO, with the ``top_k`` token candidates per frame
 it sends for beam search.
 """
@@ -17,13 +19,14 @@ from pathlib import Path
 
 from cosystream.models.loading import DEFAULT_MODEL_DIR
 from cosystream.server.audio import FRAME_MS
-from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
+from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon, read_spellings
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.lm import NgramLm
 
 log = logging.getLogger(__name__)
 
 LM_FILE = "lm.arpa.gz"
+LEXICON_FILE = "lexicon.tsv.gz"
 DECODERS = ("auto", "greedy", "beam")
 BEAM_TOP_K = 8  # token candidates per frame the engine sends for beam search
 
@@ -33,6 +36,7 @@ class DecoderConfig:
     kind: str = "auto"  # auto | greedy | beam
     lm_path: str | None = None  # None: the model directory's lm.arpa.gz
     beam: BeamConfig = field(default_factory=BeamConfig)
+    lexicon_path: str | None = None  # set by resolve(): the model's pronunciation lexicon, if it has one
 
     def __post_init__(self) -> None:
         if self.kind not in DECODERS:
@@ -46,23 +50,37 @@ class DecoderConfig:
             lm = str(candidate) if candidate.is_file() else None
         elif not Path(lm).is_file():
             raise ValueError(f"language model {lm}: no such file")
+        lexicon = Path(model_path or DEFAULT_MODEL_DIR) / LEXICON_FILE
+        lexicon_path = str(lexicon) if lexicon.is_file() else None
         kind = self.kind
         if kind == "auto":
             kind = "beam" if lm else "greedy"
         if kind == "beam" and lm is None:
             raise ValueError("beam decoding needs a language model: pass --lm or add lm.arpa.gz to the model")
-        return dataclasses.replace(self, kind=kind, lm_path=lm if kind == "beam" else None)
+        if kind == "greedy" and lexicon_path is not None:
+            raise ValueError(
+                f"this model's tokens are phonemes ({LEXICON_FILE}): it needs beam decoding with a language model"
+            )
+        return dataclasses.replace(
+            self, kind=kind, lm_path=lm if kind == "beam" else None, lexicon_path=lexicon_path
+        )
 
     @property
     def top_k(self) -> int:
         return BEAM_TOP_K if self.kind == "beam" else 1
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "lm_path": self.lm_path, "beam": dataclasses.asdict(self.beam)}
+        return {
+            "kind": self.kind,
+            "lm_path": self.lm_path,
+            "beam": dataclasses.asdict(self.beam),
+            "lexicon_path": self.lexicon_path,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> DecoderConfig:
-        return cls(data["kind"], data.get("lm_path"), BeamConfig(**data.get("beam", {})))
+        beam = BeamConfig(**data.get("beam", {}))
+        return cls(data["kind"], data.get("lm_path"), beam, data.get("lexicon_path"))
 
 
 class DecoderFactory:
@@ -78,7 +96,8 @@ class DecoderFactory:
         if config.kind == "beam":
             started = time.perf_counter()
             self.lm = NgramLm.load(config.lm_path)
-            self.lexicon = Lexicon.from_lm(self.lm, self.vocabulary)
+            spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
+            self.lexicon = Lexicon.from_lm(self.lm, self.vocabulary, spellings)
             log.info(
                 "beam decoding with %s: %d-gram, %d words, loaded in %.1f s",
                 config.lm_path,
