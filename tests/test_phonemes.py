@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ctypes.util
 import gzip
+import itertools
 
 import pytest
 
-from cosystream.server.beam import BeamCtcDecoder, Lexicon, read_spellings
+from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon, read_spellings
 from cosystream.server.decoding import LEXICON_FILE, LM_FILE, DecoderConfig, DecoderFactory
 from cosystream.server.lm import NgramLm
 from tests.test_beam import VOCAB, decode, frames
@@ -83,12 +84,31 @@ def test_interim_text_shows_words_not_units(lm):
 def test_a_phoneme_model_directory_is_decoded_with_its_lexicon(tmp_path):
     from training.phonemes import write_lexicon
 
+    write_lexicon(SPELLINGS, tmp_path / LEXICON_FILE)
+    with pytest.raises(ValueError, match="phonemes"):
+        DecoderConfig().resolve(str(tmp_path))  # words from phonemes need a language model
     logprobs, backoffs = kneser_ney([s.split() for s in SENTENCES], order=3)
     write_arpa(tmp_path / LM_FILE, logprobs, backoffs)
-    write_lexicon(SPELLINGS, tmp_path / LEXICON_FILE)
-    resolved = DecoderConfig().resolve(str(tmp_path))
-    assert resolved.kind == "beam" and resolved.lexicon_path == str(tmp_path / LEXICON_FILE)
-    assert DecoderConfig.from_dict(resolved.to_dict()) == resolved
-    assert decode(DecoderFactory(resolved, VOCAB)(), "_d|kat|flu__") == "the bat flew"
-    with pytest.raises(ValueError, match="phonemes"):
-        DecoderConfig("greedy").resolve(str(tmp_path))
+    beam = DecoderConfig().resolve(str(tmp_path))
+    assert beam.kind == "beam" and beam.lexicon_path == str(tmp_path / LEXICON_FILE)
+    assert DecoderConfig.from_dict(beam.to_dict()) == beam
+    assert decode(DecoderFactory(beam, VOCAB)(), "_d|kat|flu__") == "the bat flew"
+    # greedy: the same search with one hypothesis, so "the cat" (likelier so far) is all it can keep.
+    greedy = DecoderConfig("greedy").resolve(str(tmp_path))
+    assert greedy.lm_path == beam.lm_path and greedy.top_k == beam.top_k > 1
+    decoder = DecoderFactory(greedy, VOCAB)()
+    assert decode(decoder, "_d|kat|flu__") == "the cat flew"
+
+
+def test_one_hypothesis_interims_only_grow(lm):
+    decoder = BeamCtcDecoder(VOCAB, lm, Lexicon.from_lm(lm, VOCAB, SPELLINGS), BeamConfig(beam_size=1))
+    assert decoder.stable_interims
+    ids, lps = frames("_ai|so|d|kat|flu__")
+    shown = []
+    for t in range(len(ids)):
+        decoder.push(ids[t : t + 1], lps[t : t + 1], t)
+        shown.append(decoder.text)
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(shown)), shown
+    assert "i saw the" in shown  # "cat" is not shown while it could still become another word
+    decoder.finalize()
+    assert decoder.text.startswith(shown[-1]) and decoder.text == "i saw the cat flew"

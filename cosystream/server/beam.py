@@ -162,7 +162,9 @@ class _Prefix:
 class BeamCtcDecoder:
     """Prefix beam search for one utterance at a time (see the module docstring)."""
 
-    # The best prefix can lose to another as frames arrive: interim text may be revised.
+    # The best prefix can lose to another as frames arrive: interim text may be revised. With one
+    # hypothesis (beam_size 1) it only grows, once a pronunciation lexicon's word in progress is left out
+    # of interims (its likeliest completion changes as it is spelled); see __init__.
     stable_interims = False
 
     def __init__(
@@ -180,6 +182,7 @@ class BeamCtcDecoder:
         self.lm = lm
         self.lexicon = lexicon or Lexicon.from_lm(lm, vocabulary)
         self.config = config or BeamConfig()
+        self.stable_interims = self.config.beam_size == 1
         self.frame_ms = frame_ms
         self._log_blank_skip = math.log(self.config.blank_skip)
         self.reset()
@@ -344,11 +347,15 @@ class BeamCtcDecoder:
             return self._best.text.strip()
         return " ".join(w.word for w in self.words())
 
+    def _guess_partial(self) -> bool:
+        """Whether interims show a guess for the word in progress (not when they must only grow)."""
+        return self.lexicon.spelled or not self.stable_interims
+
     def words(self) -> list[Word]:
         if self._finished is not None:
             return list(self._finished)
         p = self._best
-        return list((*p.words, self._partial_word(p))) if p.partial else list(p.words)
+        return list((*p.words, self._partial_word(p))) if p.partial and self._guess_partial() else list(p.words)
 
     @property
     def confidence(self) -> float:
