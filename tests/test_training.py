@@ -508,3 +508,8 @@ def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp
     )
     assert load_model(out).vocabulary == units
     assert DecoderConfig().resolve(str(out)).lexicon_path == str(out / LEXICON_FILE)
+    # Training it further without its lexicon would feed letters to phoneme outputs: refused.
+    with pytest.raises(SystemExit, match="pass the --lexicon"):
+        train.main(
+            ["--corpus", str(trained.parent / "corpus"), "--run", str(tmp_path / "again"), "--init", str(out)]
+        )

@@ -46,13 +46,14 @@ from training.phonemes import read_lexicon, to_units
 from training.phonemes import vocabulary as unit_vocabulary
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB_PATH = ROOT / "cosystream" / "models" / "default" / "vocabulary.json"
+# A letter model's vocabulary: CTC blank, word separator, apostrophe, a-z (text.py normalizes to these).
+LETTERS = ["<blank>", " ", "'", *"abcdefghijklmnopqrstuvwxyz"]
 HOP = 160
 
 
 def default_config(**overrides) -> ConvCtcConfig:
     base = json.loads((ROOT / "cosystream" / "models" / "default" / "config.json").read_text())
-    base["vocabulary"] = json.loads(VOCAB_PATH.read_text())
+    base["vocabulary"] = LETTERS
     base.update(overrides)
     return ConvCtcConfig.from_dict(base)
 
@@ -504,6 +505,10 @@ def main(argv: list[str] | None = None) -> None:
         config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
     if units is not None and weights is not None and ck is None:
         config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(lexicon)))
+    if units is None and not set(LETTERS) <= set(config.vocabulary):
+        raise SystemExit(
+            "the model's tokens are not letters (a phoneme model?): pass the --lexicon it was trained with"
+        )
     vocab = {c: i for i, c in enumerate(config.vocabulary)}
     deeper = overrides.get("dilations")
     if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
