@@ -250,7 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         sets += fetch_prompts(Path(args.cache), args.prompts_limit)
     if not sets:
         parser.error("give test sets, --real and/or --prompts")
-    decoders = [DecoderConfig(kind) for kind in args.decoders.split(",")]
+    decoders = []
+    for kind in args.decoders.split(","):
+        try:
+            decoders.append(DecoderConfig(kind).resolve(args.model))
+        except ValueError as err:  # e.g. greedy decoding of a phoneme model
+            print(f"not scoring the {kind} decoder: {err}", file=sys.stderr)
+    if not decoders:
+        parser.error("none of --decoders can decode this model")
     rows = []
     keys = ("wer", "cer", "real_time_factor", "decode_us_per_frame")
     for test_set in sets:

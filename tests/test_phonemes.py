@@ -93,11 +93,11 @@ def test_a_phoneme_model_directory_is_decoded_with_its_lexicon(tmp_path):
     assert beam.kind == "beam" and beam.lexicon_path == str(tmp_path / LEXICON_FILE)
     assert DecoderConfig.from_dict(beam.to_dict()) == beam
     assert decode(DecoderFactory(beam, VOCAB)(), "_d|kat|flu__") == "the bat flew"
-    # greedy: the same search with one hypothesis, so "the cat" (likelier so far) is all it can keep.
-    greedy = DecoderConfig("greedy").resolve(str(tmp_path))
-    assert greedy.lm_path == beam.lm_path and greedy.top_k == beam.top_k > 1
-    decoder = DecoderFactory(greedy, VOCAB)()
-    assert decode(decoder, "_d|kat|flu__") == "the cat flew"
+    # One hypothesis keeps only "the cat" (likelier so far); greedy decoding would print phonemes: refused.
+    narrow = DecoderConfig("beam", beam=BeamConfig(beam_size=1)).resolve(str(tmp_path))
+    assert decode(DecoderFactory(narrow, VOCAB)(), "_d|kat|flu__") == "the cat flew"
+    with pytest.raises(ValueError, match="would print phonemes"):
+        DecoderConfig("greedy").resolve(str(tmp_path))
 
 
 def test_one_hypothesis_interims_only_grow(lm):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cosystream.server.beam import BeamConfig
 from cosystream.server.decoding import DecoderConfig
 from cosystream.server.session import Session
 from cosystream.v1 import cosystream_pb2 as pb
@@ -130,9 +131,11 @@ def test_partials_then_final(stub):
     assert {res.stability for res in interims} == {0.5}
 
 
-def test_greedy_decoding_interims_only_grow():
+def test_single_hypothesis_interims_only_grow():
+    """A decoder whose text only grows (beam search with one hypothesis; greedy decoding of a letter model)
+    sends interims of stability 1, each extending the one before."""
     data = encode(np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)]), "LINEAR16")
-    with local_server(max_sessions=2, decoder=DecoderConfig("greedy")) as srv:
+    with local_server(max_sessions=2, decoder=DecoderConfig("beam", beam=BeamConfig(beam_size=1))) as srv:
         channel = grpc.insecure_channel(srv.address)
         responses = run_stream(pb_grpc.CosyStreamStub(channel), config(interim_results=True), data)
         channel.close()

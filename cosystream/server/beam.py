@@ -201,7 +201,7 @@ class BeamCtcDecoder:
 
         ``ids`` and ``logprobs`` are ``[frames, K]``, best first (the engine's ``top_k`` output; ``K`` = the
         vocabulary size gives the full distribution). A token outside a frame's top ``K`` is treated as
-        having the ``K``-th log-probability, an upper bound. Returns True if the best text changed.
+        having the ``K``-th log-probability, an upper bound. Returns True if :attr:`text` changed.
         """
         ids = np.asarray(ids)
         logprobs = np.asarray(logprobs, dtype=np.float32)
@@ -209,7 +209,7 @@ class BeamCtcDecoder:
             raise ValueError(f"ids {ids.shape} and logprobs {logprobs.shape} must be equal [frames, K]")
         if ids.size and (ids.min() < 0 or ids.max() >= len(self._vocab)):
             raise ValueError(f"token ids must be in [0, {len(self._vocab)})")
-        before = self._best.text
+        before = self.text
         cfg = self.config
         skip = self._log_blank_skip
         keep = cfg.max_tokens
@@ -225,7 +225,7 @@ class BeamCtcDecoder:
             tokens.append((0, blank))  # every prefix survives through a blank
             self._step(first_frame + t, tokens)
         self._best = max(self._beams.values(), key=self._rank)
-        return self._best.text != before
+        return self.text != before
 
     def _carry(self, lp_blank: float, scores: dict[int, float], floor: float) -> None:
         for p in self._beams.values():

@@ -4,8 +4,8 @@
 against a word n-gram language model (ARPA). ``auto`` picks ``beam`` when the model directory ships a
 ``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. A model whose tokens are
 phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search spells words by it, and
-``greedy`` is the same search with one hypothesis (the best path, held to the lexicon's words, which needs
-the language model too; per-frame phonemes are not text). The engine process resolves
+``greedy`` is refused (it would print phonemes; ``--beam-size`` is the way to a cheaper search). The engine
+process resolves
 the choice once and passes it to every frontend in its HELLO, with the ``top_k`` token candidates per frame
 it sends for beam search.
 """
@@ -63,14 +63,18 @@ class DecoderConfig:
                 f"this model's tokens are phonemes ({LEXICON_FILE}): decoding them into words needs a language "
                 "model: pass --lm or add lm.arpa.gz to the model"
             )
-        words_need_lm = kind == "beam" or lexicon_path is not None
+        if kind == "greedy" and lexicon_path is not None:
+            raise ValueError(
+                f"this model's tokens are phonemes ({LEXICON_FILE}): greedy decoding would print phonemes, not "
+                "words; use --decoder beam (a smaller --beam-size is cheaper)"
+            )
         return dataclasses.replace(
-            self, kind=kind, lm_path=lm if words_need_lm else None, lexicon_path=lexicon_path
+            self, kind=kind, lm_path=lm if kind == "beam" else None, lexicon_path=lexicon_path
         )
 
     @property
     def top_k(self) -> int:
-        return BEAM_TOP_K if self.lm_path is not None else 1
+        return BEAM_TOP_K if self.kind == "beam" else 1
 
     def to_dict(self) -> dict:
         return {
@@ -96,7 +100,7 @@ class DecoderFactory:
         self.vocabulary = list(vocabulary)
         self.lm: NgramLm | None = None
         self.lexicon: Lexicon | None = None
-        if config.lm_path is not None:
+        if config.kind == "beam":
             started = time.perf_counter()
             self.lm = NgramLm.load(config.lm_path)
             spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
@@ -112,7 +116,4 @@ class DecoderFactory:
     def __call__(self) -> CtcDecoder | BeamCtcDecoder:
         if self.lm is None:
             return CtcDecoder(self.vocabulary, FRAME_MS)
-        beam = (
-            self.config.beam if self.config.kind == "beam" else dataclasses.replace(self.config.beam, beam_size=1)
-        )
-        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, beam, FRAME_MS)
+        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, self.config.beam, FRAME_MS)
