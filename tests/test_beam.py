@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -9,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from cosystream.models.loading import DEFAULT_MODEL_DIR
 from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.decoding import DecoderConfig, DecoderFactory
@@ -237,12 +239,13 @@ def test_reset_starts_a_new_utterance_and_bad_input_is_refused(lm):
 
 
 def test_decoder_config_resolves_against_the_model(tmp_path, lm):
-    # The embedded model ships a language model: auto means beam search with it.
+    # The embedded model ships a language model and its pronunciation lexicon: auto means beam search.
     resolved = DecoderConfig().resolve(None)
     assert resolved.kind == "beam" and resolved.lm_path.endswith("lm.arpa.gz") and resolved.top_k > 1
+    assert resolved.lexicon_path.endswith("lexicon.tsv.gz")
     # A model directory without one decodes greedily; asking for beam search there is an error.
     assert DecoderConfig().resolve(str(tmp_path)).kind == "greedy"
-    assert DecoderConfig("greedy").resolve(None).top_k == 1
+    assert DecoderConfig("greedy").resolve(str(tmp_path)).top_k == 1
     with pytest.raises(ValueError, match="needs a language model"):
         DecoderConfig("beam").resolve(str(tmp_path))
     with pytest.raises(ValueError, match="no such file"):
@@ -251,6 +254,6 @@ def test_decoder_config_resolves_against_the_model(tmp_path, lm):
         DecoderConfig("fancy")
     # The config crosses the engine -> frontend HELLO as a dict.
     assert DecoderConfig.from_dict(resolved.to_dict()) == resolved
-    factory = DecoderFactory(resolved, VOCAB)
+    factory = DecoderFactory(resolved, json.loads((DEFAULT_MODEL_DIR / "vocabulary.json").read_text()))
     a, b = factory(), factory()
     assert isinstance(a, BeamCtcDecoder) and a is not b and a.lm is b.lm
