@@ -62,6 +62,8 @@ def test_lexicon_files_round_trip_and_bad_lines_are_named(tmp_path):
 def test_homophones_are_told_apart_by_the_language_model(lm):
     lexicon = Lexicon.from_lm(lm, VOCAB, SPELLINGS)
     assert lexicon.size == len(SPELLINGS) and not lexicon.spelled
+    assert Lexicon.from_lm(lm, VOCAB, {**SPELLINGS, "sat": "kat"}).size == len(SPELLINGS)  # cat, bat, sat: kept
+    assert Lexicon(SPELLINGS, VOCAB, lm, SPELLINGS, homophones=1).size == len(SPELLINGS) - 1  # bat: dropped
     decoder = BeamCtcDecoder(VOCAB, lm, lexicon)
     # The same sounds, "kat", after "saw the" and before "flew".
     assert decode(decoder, "_ai|so|d|kat__") == "i saw the cat"

@@ -96,10 +96,8 @@ class Lexicon:
                 node = node[0].setdefault(self.ids[ch], [{}, None, 0.0, None])
             if node[1] is None:
                 node[1] = (w,)
-                self.size += 1
             elif w not in node[1]:
                 node[1] = (*node[1], w)
-                self.size += 1
         self._settle(self.root, unigram, homophones, 0)
 
     def _settle(self, node: list, unigram, homophones: int, depth: int) -> tuple[float, str | None]:
@@ -108,6 +106,7 @@ class Lexicon:
         if node[1] is not None:
             ranked = sorted(node[1], key=lambda w: (-unigram(w), w))
             node[1] = tuple(ranked[:homophones])
+            self.size += len(node[1])  # the words it can recognize
             best, guess = unigram(ranked[0]), ranked[0]
         for child in node[0].values():
             score, word = self._settle(child, unigram, homophones, depth + 1)
