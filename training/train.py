@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         "--lexicon",
         type=Path,
         help="train phoneme units: a training.phonemes lexicon file; the vocabulary becomes its units, and "
-        "an --init model's output layer starts fresh",
+        "an --init model with other output units gets a fresh output layer",
     )
     p.add_argument("--no-augment", action="store_true")
     p.add_argument(
@@ -479,7 +479,6 @@ def main(argv: list[str] | None = None) -> None:
     units = None
     if args.lexicon is not None:
         lexicon = read_lexicon(args.lexicon)
-        config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(lexicon)))
 
         def units(text: str) -> str:
             return to_units(text, lexicon)
@@ -503,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.init is not None:
         init = torch.load(args.init, weights_only=False)
         config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
-    if units is not None and weights is not None and ck is None:
+    if units is not None and ck is None:  # (a resumed run's config has them already)
         config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(lexicon)))
     if units is None and not set(LETTERS) <= set(config.vocabulary):
         raise SystemExit(
