@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cosystream.server.beam import read_spellings as read_lexicon
+from cosystream.server.lm import NgramLm
 
 _SYNCHRONOUS = 0x02
 _CHARS_UTF8 = 1
@@ -130,16 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     for part in sentences.values():
         for s in part:
             words.update(s.split())
-    with gzip.open(args.lm, "rt") as f:
-        section = None
-        for line in f:
-            if line.startswith("\\"):
-                section = line.strip()
-                continue
-            if section == "\\1-grams:" and line.strip():
-                word = line.split("\t")[1].strip()
-                if not word.startswith("<"):
-                    words.add(word)
+    lm = NgramLm.load(args.lm)
+    words.update(w for w in lm.words if lm.known(w))
     lexicon, names = build(words, args.voice)
     write_lexicon(lexicon, args.out)
     if args.names:
