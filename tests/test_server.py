@@ -7,6 +7,8 @@ the words; recognition quality is measured by the accuracy benchmark.
 from __future__ import annotations
 
 import gc
+import json
+import string
 import threading
 import time
 import weakref
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cosystream.models.loading import DEFAULT_MODEL_DIR
 from cosystream.server.beam import BeamConfig
 from cosystream.server.decoding import DecoderConfig
 from cosystream.server.session import Session
@@ -131,11 +134,23 @@ def test_partials_then_final(stub):
     assert {res.stability for res in interims} == {0.5}
 
 
-def test_single_hypothesis_interims_only_grow():
+def letter_model(directory) -> str:
+    """The default model's network over letters, with seeded random weights (greedy-decodable, untrained)."""
+    (directory / "config.json").write_text((DEFAULT_MODEL_DIR / "config.json").read_text())
+    (directory / "vocabulary.json").write_text(json.dumps(["<blank>", " ", "'", *string.ascii_lowercase]))
+    return str(directory)
+
+
+@pytest.mark.parametrize("decoding", ["beam-size-1", "greedy-letters"])
+def test_single_hypothesis_interims_only_grow(decoding, tmp_path):
     """A decoder whose text only grows (beam search with one hypothesis; greedy decoding of a letter model)
     sends interims of stability 1, each extending the one before."""
     data = encode(np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)]), "LINEAR16")
-    with local_server(max_sessions=2, decoder=DecoderConfig("beam", beam=BeamConfig(beam_size=1))) as srv:
+    if decoding == "greedy-letters":
+        served = {"decoder": DecoderConfig("greedy"), "model_path": letter_model(tmp_path)}
+    else:
+        served = {"decoder": DecoderConfig("beam", beam=BeamConfig(beam_size=1))}
+    with local_server(max_sessions=2, **served) as srv:
         channel = grpc.insecure_channel(srv.address)
         responses = run_stream(pb_grpc.CosyStreamStub(channel), config(interim_results=True), data)
         channel.close()
