@@ -30,7 +30,8 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
         "--decoder",
         choices=["auto", "greedy", "beam"],
         default="auto",
-        help="auto: beam search when the model ships a language model (lm.arpa.gz) or --lm is given",
+        help="auto: beam search when the model ships a language model (lm.arpa.gz) or --lm is given; greedy: "
+        "the best token per frame (letter models; the default model's phonemes need beam search)",
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
     group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 16)")
