@@ -15,6 +15,7 @@ rate) against the sentences' pronunciations.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -111,9 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
         lexicon = read_lexicon(args.lexicon)
         write_lexicon(lexicon, args.out / "lexicon.tsv.gz")
-
-        def units(text: str) -> str:
-            return to_units(text, lexicon)
+        units = functools.partial(to_units, lexicon=lexicon)
 
     print(f"exported step {ck['step']} ({ck['audio_seen'] / 3600:.1f} h of audio seen) to {args.out}")
     if args.save_checkpoint is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -479,10 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     units = None
     if args.lexicon is not None:
         lexicon = read_lexicon(args.lexicon)
-
-        def units(text: str) -> str:
-            return to_units(text, lexicon)
-
+        units = functools.partial(to_units, lexicon=lexicon)
     # The mel filters' centres, where --channel-eq's gains apply: fixed by the config, drawn on every epoch.
     centres_hz = mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz)
     corpus = Corpus(args.corpus)
