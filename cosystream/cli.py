@@ -34,7 +34,7 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
         "the best token per frame (letter models; the default model's phonemes need beam search)",
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
-    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 16)")
+    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 64)")
     group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.6)")
     group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default 1.0)")
 

@@ -212,6 +212,21 @@ def test_the_language_model_settles_an_acoustic_near_tie(lm, alpha, expected):
     assert decode(dec, "_th_e_|_b_a_t__", rivals={8: ("c", 0.45, 0.5)}) == expected
 
 
+def test_score_prune_drops_prefixes_far_behind_the_best(lm):
+    # At frame 8 'b' (p 0.01) trails 'c' (p 0.9) by ~4.5 nats: a wide search keeps "the b..." as a hypothesis,
+    # a score_prune of 3 nats drops it (and everything else that far behind); the best is the same.
+    ids, lps = frames("_th_e_|_c", rivals={8: ("b", 0.01, 0.9)})
+    kept = {}
+    for prune in (math.inf, 3.0):
+        dec = BeamCtcDecoder(VOCAB, lm, config=BeamConfig(score_prune=prune))
+        dec.push(ids, lps, 0)
+        kept[prune] = {p.text: dec._rank(p) for p in dec._beams.values()}
+        assert dec.text == "the c"
+    assert "the b" in kept[math.inf]
+    assert "the b" not in kept[3.0] and len(kept[3.0]) < len(kept[math.inf])
+    assert max(kept[3.0].values()) - min(kept[3.0].values()) <= 3.0
+
+
 def test_double_letters_need_a_blank_between(lm):
     # "ll" in a row is one 'l'; "l_l" is two. Neither "cal" nor "call" is a word, "all"-like checks via
     # the lexicon: build one with those words.

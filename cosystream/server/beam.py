@@ -1,8 +1,8 @@
 """Streaming CTC prefix beam search over a word lexicon, scored with a word n-gram language model.
 
-Each frame extends the ``beam_size`` best prefixes (Hannun et al., 2014) by the tokens within
-``token_prune`` nats of the frame's best; a word may only be spelled along the lexicon trie (by its letters,
-or by its pronunciation for a phoneme model), and when it
+Each frame extends the ``beam_size`` best prefixes (Hannun et al., 2014) that are within ``score_prune``
+nats of the best by the tokens within ``token_prune`` nats of the frame's best token; a word may only be
+spelled along the lexicon trie (by its letters, or by its pronunciation for a phoneme model), and when it
 completes (a space is emitted, or the utterance ends) the prefix gains ``alpha * ln P_lm(word | history) +
 beta``. Frames whose blank probability is at least ``blank_skip`` only carry every prefix over. The cost is
 O(beam_size * tokens tried) Python operations per non-blank frame; ``benchmarks/accuracy.py`` prints it per
@@ -39,12 +39,13 @@ def _lse(a: float, b: float) -> float:
 @dataclass(slots=True, frozen=True)
 class BeamConfig:
     # Defaults tuned on the training voices' held-out sentences (not on the held-out voices).
-    beam_size: int = 16
+    beam_size: int = 64
     alpha: float = 0.6  # language model weight
     beta: float = 1.0  # bonus per word, in nats
     token_prune: float = 5.0  # try tokens within this many nats of the frame's best
     blank_skip: float = 0.99  # frames with P(blank) >= this only carry prefixes over
     max_tokens: int = 6  # at most this many tokens tried per frame
+    score_prune: float = 7.0  # drop prefixes more than this many nats below the frame's best
 
 
 def read_spellings(path: str | Path) -> dict[str, str]:
@@ -300,7 +301,9 @@ class BeamCtcDecoder:
                             partial, begin, wlp = vocab[k], frame, lp
                         q = nxt[key] = _Prefix(key, k, child, partial, p.ctx, p.lm, p.words, begin, frame + 1, wlp)
                     q.pnb = _lse(q.pnb, total + lp)
-        self._beams = {p.text: p for p in heapq.nlargest(cfg.beam_size, nxt.values(), key=self._rank)}
+        ranked = heapq.nlargest(cfg.beam_size, ((self._rank(p), i, p) for i, p in enumerate(nxt.values())))
+        floor = ranked[0][0] - cfg.score_prune
+        self._beams = {p.text: p for score, _, p in ranked if score >= floor}
 
     # ------------------------------------------------------------------ results
 
