@@ -75,8 +75,7 @@ def fetch_real_recordings(cache: Path) -> Path:
                 "download",
                 "--no-deps",
                 "--no-binary",
-                ":all:",
-                "--no-build-isolation",
+                "pocketsphinx",  # the sdist; its build backend comes into pip's isolated environment
                 POCKETSPHINX_SDIST,
                 "-d",
                 tmp,

@@ -8,6 +8,7 @@ largest passing count is the capacity. Prints JSON and a table.
     python benchmarks/capacity.py                        # both modes, 10 and 20 ms chunks
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --counts 40 80 120
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders greedy beam   # decoding's cost
+    python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders beam:16 beam:64  # beam widths
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --models DIR_A DIR_B     # two models
 """
 
@@ -28,8 +29,10 @@ def measure(
 ) -> dict:
     extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends)]
     extra += ["--model", model] if model else []
+    kind, _, beam_size = decoder.partition(":")
+    extra += ["--beam-size", beam_size] if beam_size else []
     runs = []
-    with Server("--max-sessions", str(max(counts) + 8), "--decoder", decoder, *extra) as server:
+    with Server("--max-sessions", str(max(counts) + 8), "--decoder", kind, *extra) as server:
         for count in counts:
             result, cpu_s = probe(
                 server,
@@ -75,6 +78,13 @@ def measure(
     }
 
 
+def decoder_spec(text: str) -> str:
+    kind, colon, beam_size = text.partition(":")
+    if kind not in ("auto", "greedy", "beam") or (colon and (kind != "beam" or not beam_size.isdigit())):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, greedy, beam or beam:N")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["engine", "naive"], choices=["engine", "naive"])
@@ -87,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "--decoders",
         nargs="+",
         default=["auto"],
-        choices=["auto", "greedy", "beam"],
-        help="serve --decoder values",
+        type=decoder_spec,
+        help="serve --decoder values; beam:N also passes --beam-size N",
     )
     parser.add_argument(
         "--models", nargs="+", default=[None], help="serve --model directories, measured one after the other"
