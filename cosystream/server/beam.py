@@ -105,10 +105,10 @@ class Lexicon:
         """Rank each node's homophones and store the best reachable word and its unigram ln P below it."""
         best, guess = -1e9, None
         if node[1] is not None:
-            ranked = sorted(node[1], key=lambda w: (-unigram(w), w))
-            node[1] = tuple(ranked[:homophones])
+            ranked = sorted((-unigram(w), w) for w in node[1])
+            node[1] = tuple(w for _, w in ranked[:homophones])
             self.size += len(node[1])  # the words it can recognize
-            best, guess = unigram(ranked[0]), ranked[0]
+            best, guess = -ranked[0][0], ranked[0][1]
         for child in node[0].values():
             score, word = self._settle(child, unigram, homophones, depth + 1)
             if score > best:
