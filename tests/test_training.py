@@ -481,6 +481,15 @@ def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp
     args += ["--init", str(trained / "last.pt"), "--lexicon", str(tmp_path / "lexicon.tsv")]
     train.main([*args, "--head-only-steps", "2", "--checkpoint-minutes", "0", "--snapshots-from", "2"])
 
+    # Resuming it with other targets would train them into its outputs: refused, the checkpoint untouched.
+    phonemes.write_lexicon(dict(list(lexicon.items())[1:]), tmp_path / "other.tsv")  # one word fewer
+    resumed_with = {"another --lexicon": ["--lexicon", str(tmp_path / "other.tsv")], "a --lexicon": []}
+    checkpoint = (run / "last.pt").read_bytes()
+    for started_with, lexicon_args in resumed_with.items():
+        with pytest.raises(SystemExit, match=f"trained with {started_with}.*same targets"):
+            train.main([*args[:4], *lexicon_args])
+    assert (run / "last.pt").read_bytes() == checkpoint
+
     units = phonemes.vocabulary(lexicon)
     before = torch.load(trained / "last.pt", weights_only=False)["model"]
     frozen, trained_on = (torch.load(run / f"snap_{n}.pt", weights_only=False) for n in (2, 3))

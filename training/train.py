@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -477,10 +478,12 @@ def main(argv: list[str] | None = None) -> None:
 
     overrides = json.loads(args.config)
     config = default_config(**overrides)
-    units = None
+    units, lexicon_digest = None, None
     if args.lexicon is not None:
         lexicon = read_lexicon(args.lexicon)
         units = functools.partial(to_units, lexicon=lexicon)
+        lexicon_digest = hashlib.sha256("".join(f"{w}\t{u}\n" for w, u in sorted(lexicon.items())).encode())
+        lexicon_digest = lexicon_digest.hexdigest()
     # The mel filters' centres, where --channel-eq's gains apply: fixed by the config, drawn on every epoch.
     centres_hz = mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz)
     corpus = Corpus(args.corpus)
@@ -491,6 +494,11 @@ def main(argv: list[str] | None = None) -> None:
     # Weights: a run resumes from its last.pt, or starts from --init's weights, or from scratch.
     last_path = args.run / "last.pt"
     ck = torch.load(last_path, weights_only=False) if last_path.exists() else None
+    # Its targets must stay what they were: the same pronunciations (or letters) it started with.
+    if ck is not None and ck.get("lexicon", lexicon_digest) != lexicon_digest:
+        started_with = "another --lexicon" if lexicon_digest else "a --lexicon"
+        started_with = started_with if ck["lexicon"] else "letters (no --lexicon)"
+        raise SystemExit(f"{last_path} was trained with {started_with}: resume it with the same targets")
     weights = None
     if ck is not None:
         config, weights = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
@@ -564,6 +572,7 @@ def main(argv: list[str] | None = None) -> None:
             train_seconds=train_seconds,
             best_cer=best_cer,
             rng={"torch_global": torch.get_rng_state()},
+            lexicon=lexicon_digest,  # sha256 of the --lexicon's lines (None: letters)
         )
 
     def run_eval() -> None:
