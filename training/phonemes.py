@@ -85,7 +85,16 @@ def unit_table(names: Iterable[str]) -> dict[str, str]:
     return table
 
 
-__all__ = ["Espeak", "build", "read_lexicon", "to_units", "unit_table", "vocabulary", "write_lexicon"]
+__all__ = [
+    "Espeak",
+    "build",
+    "lexicon_lines",
+    "read_lexicon",
+    "to_units",
+    "unit_table",
+    "vocabulary",
+    "write_lexicon",
+]
 
 
 def build(words: Iterable[str], voice: str = "en-us") -> tuple[dict[str, str], dict[str, str]]:
@@ -99,12 +108,16 @@ def build(words: Iterable[str], voice: str = "en-us") -> tuple[dict[str, str], d
     return lexicon, {u: n for n, u in table.items()}
 
 
+def lexicon_lines(lexicon: dict[str, str]) -> list[str]:
+    """The lexicon file's lines, ``word<TAB>units``, sorted by word."""
+    return [f"{word}\t{lexicon[word]}\n" for word in sorted(lexicon)]
+
+
 def write_lexicon(lexicon: dict[str, str], path: str | Path) -> None:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt", encoding="utf-8") as f:
-        for word in sorted(lexicon):
-            f.write(f"{word}\t{lexicon[word]}\n")
+        f.writelines(lexicon_lines(lexicon))
 
 
 def vocabulary(lexicon: dict[str, str]) -> list[str]:

@@ -44,7 +44,7 @@ from training.augment import (
     warped_log_mel,
 )
 from training.corpus import HELD_OUT, load_shard
-from training.phonemes import read_lexicon, to_units
+from training.phonemes import lexicon_lines, read_lexicon, to_units
 from training.phonemes import vocabulary as unit_vocabulary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -482,8 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.lexicon is not None:
         lexicon = read_lexicon(args.lexicon)
         units = functools.partial(to_units, lexicon=lexicon)
-        lexicon_digest = hashlib.sha256("".join(f"{w}\t{u}\n" for w, u in sorted(lexicon.items())).encode())
-        lexicon_digest = lexicon_digest.hexdigest()
+        lexicon_digest = hashlib.sha256("".join(lexicon_lines(lexicon)).encode()).hexdigest()
     # The mel filters' centres, where --channel-eq's gains apply: fixed by the config, drawn on every epoch.
     centres_hz = mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz)
     corpus = Corpus(args.corpus)
@@ -496,8 +495,12 @@ def main(argv: list[str] | None = None) -> None:
     ck = torch.load(last_path, weights_only=False) if last_path.exists() else None
     # Its targets must stay what they were: the same pronunciations (or letters) it started with.
     if ck is not None and ck.get("lexicon", lexicon_digest) != lexicon_digest:
-        started_with = "another --lexicon" if lexicon_digest else "a --lexicon"
-        started_with = started_with if ck["lexicon"] else "letters (no --lexicon)"
+        if not ck["lexicon"]:
+            started_with = "letters (no --lexicon)"
+        elif lexicon_digest:
+            started_with = "another --lexicon"
+        else:
+            started_with = "a --lexicon"
         raise SystemExit(f"{last_path} was trained with {started_with}: resume it with the same targets")
     weights = None
     if ck is not None:
