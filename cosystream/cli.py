@@ -25,9 +25,6 @@ def default_frontends() -> int:
 
 
 def add_decoder_args(parser: argparse.ArgumentParser) -> None:
-    from cosystream.server.beam import BeamConfig
-
-    defaults = BeamConfig()
     group = parser.add_argument_group("decoding")
     group.add_argument(
         "--decoder",
@@ -37,15 +34,9 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
         "the best token per frame (letter models; the default model's phonemes need beam search)",
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
-    group.add_argument(
-        "--beam-size", type=int, default=None, help=f"hypotheses kept per frame (default {defaults.beam_size})"
-    )
-    group.add_argument(
-        "--lm-weight", type=float, default=None, help=f"language model weight (default {defaults.alpha})"
-    )
-    group.add_argument(
-        "--word-bonus", type=float, default=None, help=f"score added per word, nats (default {defaults.beta})"
-    )
+    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 64)")
+    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.6)")
+    group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default 1.0)")
 
 
 def decoder_config(args: argparse.Namespace):
