@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -10,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from cosystream.cli import add_decoder_args
 from cosystream.models.loading import DEFAULT_MODEL_DIR
 from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
 from cosystream.server.ctc import CtcDecoder
@@ -272,3 +274,14 @@ def test_decoder_config_resolves_against_the_model(tmp_path, lm):
     factory = DecoderFactory(resolved, json.loads((DEFAULT_MODEL_DIR / "vocabulary.json").read_text()))
     a, b = factory(), factory()
     assert isinstance(a, BeamCtcDecoder) and a is not b and a.lm is b.lm
+
+
+def test_the_decoding_flags_help_states_the_beam_defaults():
+    # The CLI keeps numpy (and so BeamConfig) out of its start-up, so its help repeats the defaults.
+    parser = argparse.ArgumentParser()
+    add_decoder_args(parser)
+    text = " ".join(parser.format_help().split())
+    defaults = BeamConfig()
+    assert f"hypotheses kept per frame (default {defaults.beam_size})" in text
+    assert f"language model weight (default {defaults.alpha})" in text
+    assert f"score added per word, nats (default {defaults.beta})" in text
