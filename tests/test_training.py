@@ -522,3 +522,39 @@ def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp
         train.main(
             ["--corpus", str(trained.parent / "corpus"), "--run", str(tmp_path / "again"), "--init", str(out)]
         )
+
+
+def test_prior_correction_shifts_the_output_bias_by_the_weighted_log_prior(trained, tmp_path):
+    from training import prior
+    from training.export import export, model_from_checkpoint
+
+    model, _ = model_from_checkpoint(trained / "best.pt")
+    plain, corrected = tmp_path / "plain", tmp_path / "corrected"
+    export(model, plain)
+    (plain / "lm.arpa.gz").write_bytes(b"an arpa file")
+    corpus = trained.parent / "corpus"
+    prior.main(["--model", str(plain), "--corpus", str(corpus), "--weight", "0.5", "--out", str(corrected)])
+
+    record = json.loads((corrected / prior.PRIOR_FILE).read_text())
+    log_prior = torch.tensor([record["log_prior"][tok] for tok in model.vocabulary])
+    assert log_prior.exp().sum().item() == pytest.approx(1.0, abs=1e-3)  # a distribution over the tokens
+    assert (corrected / "lm.arpa.gz").read_bytes() == b"an arpa file"
+
+    pcm = torch.from_numpy(
+        (np.random.default_rng(1).standard_normal((1, 80 * FRAME_SAMPLES)) * 0.1).astype(np.float32)
+    )
+    with torch.no_grad():
+        before = torch.log_softmax(load_model(plain)(pcm), -1)
+        after = torch.log_softmax(load_model(corrected)(pcm), -1)
+    # Each frame's scores move by -0.5 * ln P(token), plus a constant per frame (the renormalization).
+    moved = after - before + 0.5 * log_prior
+    assert torch.allclose(moved, moved[..., :1].expand_as(moved), atol=1e-3)
+    assert not torch.allclose(after, before, atol=1e-2)
+
+    # A fine-tune from the corrected directory starts from the uncorrected network.
+    undone = load_model(corrected)
+    assert prior.undo_prior(undone, corrected)
+    torch.testing.assert_close(undone.head.bias, load_model(plain).head.bias, atol=1e-4, rtol=0)
+
+    with pytest.raises(SystemExit, match="already prior-corrected"):
+        prior.main(["--model", str(corrected), "--corpus", str(corpus), "--out", str(tmp_path / "twice")])

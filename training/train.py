@@ -506,7 +506,11 @@ def main(argv: list[str] | None = None) -> None:
     if ck is not None:
         config, weights = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
     elif args.init is not None and args.init.is_dir():  # a model directory, e.g. the shipped default model
+        from training.prior import undo_prior
+
         shipped = load_model(args.init)
+        if undo_prior(shipped, args.init):
+            print(f"{args.init}: its prior correction taken out of the output layer before training")
         config, weights = shipped.config, shipped.state_dict()
     elif args.init is not None:
         init = torch.load(args.init, weights_only=False)
