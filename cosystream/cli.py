@@ -35,8 +35,8 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
     group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 64)")
-    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.6)")
-    group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default 1.0)")
+    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.8)")
+    group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default -0.5)")
 
 
 def decoder_config(args: argparse.Namespace):

@@ -38,10 +38,11 @@ def _lse(a: float, b: float) -> float:
 
 @dataclass(slots=True, frozen=True)
 class BeamConfig:
-    # Defaults tuned on the training voices' held-out sentences (not on the held-out voices).
+    # Defaults tuned with the default (phoneme) model on the training voices' held-out sentences and every
+    # other Asterisk prompt, never on the held-out voices (training/README.md, "Decoding").
     beam_size: int = 64
-    alpha: float = 0.6  # language model weight
-    beta: float = 1.0  # bonus per word, in nats
+    alpha: float = 0.8  # language model weight
+    beta: float = -0.5  # bonus per word, in nats (negative: a penalty)
     token_prune: float = 5.0  # try tokens within this many nats of the frame's best
     blank_skip: float = 0.99  # frames with P(blank) >= this only carry prefixes over
     max_tokens: int = 6  # at most this many tokens tried per frame
