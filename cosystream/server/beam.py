@@ -39,7 +39,7 @@ def _lse(a: float, b: float) -> float:
 @dataclass(slots=True, frozen=True)
 class BeamConfig:
     # Defaults tuned with the default (phoneme) model on the training voices' held-out sentences and every
-    # other Asterisk prompt, never on the held-out voices (training/README.md, "Decoding").
+    # other Asterisk prompt, never on the held-out voices (training/README.md, "Prior correction").
     beam_size: int = 64
     alpha: float = 0.8  # language model weight
     beta: float = -0.5  # bonus per word, in nats (negative: a penalty)
