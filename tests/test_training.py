@@ -558,3 +558,27 @@ def test_prior_correction_shifts_the_output_bias_by_the_weighted_log_prior(train
 
     with pytest.raises(SystemExit, match="already prior-corrected"):
         prior.main(["--model", str(corrected), "--corpus", str(corpus), "--out", str(tmp_path / "twice")])
+
+
+def test_tune_scores_every_grid_point_on_each_set_and_half(trained, tmp_path):
+    """``training.tune`` decodes the default model's outputs once per grid point: a half-set scores only
+    its half, and the word bonus moves the scores it reports as ``cosystream eval`` would."""
+    from cosystream.evaluate import evaluate
+    from cosystream.server.beam import BeamConfig
+    from cosystream.server.decoding import DecoderConfig
+    from training import eval_set, tune
+
+    default = str(Path(tune.__file__).parent.parent / "cosystream" / "models" / "default")
+    data = tmp_path / "set"
+    eval_set.main(["--corpus", str(trained.parent / "corpus"), "--out", str(data), "--groups", "train_voices"])
+    out = tmp_path / "tune.json"
+    sets = ["--set", f"all={data}", "--set", f"odd={data}:odd"]
+    tune.main(["--model", default, *sets, "--lm-weight", "0.8", "--word-bonus", "-0.5", "3", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["lm_weight"], r["word_bonus"]) for r in rows] == [(0.8, -0.5), (0.8, 3.0)]
+    words = len(SENTENCES[0].split())
+    assert [r["sets"]["all"]["words"] for r in rows] == [2 * words] * 2
+    assert [r["sets"]["odd"]["words"] for r in rows] == [words] * 2
+    expected = evaluate(default, data, decoding=DecoderConfig("beam", beam=BeamConfig(alpha=0.8, beta=3.0)))
+    assert rows[1]["sets"]["all"]["wer"] == pytest.approx(expected["wer"])
+    assert rows[1]["sets"]["all"]["cer"] == pytest.approx(expected["cer"])
