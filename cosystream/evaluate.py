@@ -18,6 +18,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,27 +116,33 @@ def tilt(audio: np.ndarray, db_per_octave: float, max_db: float = 24.0) -> np.nd
     return (out * (np.abs(audio).max() / (np.abs(out).max() + 1e-9))).astype(np.float32)
 
 
-def recognize(runner: Runner, decoder: CtcDecoder | BeamCtcDecoder, audio: np.ndarray) -> tuple[str, float]:
-    """The hypothesis for ``audio`` and the seconds spent in the decoder."""
+def stream(runner: Runner, audio: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Stream ``audio`` through one slot of ``runner``: per step, the top-k token ids and log-probs of its
+    frames (``[frames, K]``) and its first frame's index."""
     slot = runner.slab.alloc()
     try:
-        decoder.reset()
         frames = len(audio) // FRAME_SAMPLES
         done = 0
-        decode_s = 0.0
         while done < frames:
             step = STEP_FRAMES if frames - done >= STEP_FRAMES else 1
-            chunk = audio[done * FRAME_SAMPLES : (done + step) * FRAME_SAMPLES]
-            result = runner.run([slot], chunk[None])
-            started = time.perf_counter()
-            decoder.push(result.ids[0], result.logprobs[0], done)
-            decode_s += time.perf_counter() - started
+            result = runner.run([slot], audio[done * FRAME_SAMPLES : (done + step) * FRAME_SAMPLES][None])
+            yield result.ids[0], result.logprobs[0], done
             done += step
-        started = time.perf_counter()
-        decoder.finalize()
-        return decoder.text, decode_s + time.perf_counter() - started
     finally:
         runner.slab.free(slot)
+
+
+def recognize(runner: Runner, decoder: CtcDecoder | BeamCtcDecoder, audio: np.ndarray) -> tuple[str, float]:
+    """The hypothesis for ``audio`` and the seconds spent in the decoder."""
+    decoder.reset()
+    decode_s = 0.0
+    for ids, logprobs, first_frame in stream(runner, audio):
+        started = time.perf_counter()
+        decoder.push(ids, logprobs, first_frame)
+        decode_s += time.perf_counter() - started
+    started = time.perf_counter()
+    decoder.finalize()
+    return decoder.text, decode_s + time.perf_counter() - started
 
 
 def evaluate(

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosystream.evaluate import STEP_FRAMES, edit_distance, load_set, normalize
-from cosystream.models import FRAME_SAMPLES, load_model
+from cosystream.evaluate import STEP_FRAMES, edit_distance, load_set, normalize, stream
+from cosystream.models import load_model
 from cosystream.runtime.runner import Runner, RunnerConfig
 from cosystream.runtime.slab import StateSlab
 from cosystream.server.beam import BeamConfig
@@ -59,18 +59,10 @@ def model_outputs(model_dir: str, path: Path, half: str | None, top_k: int) -> O
     utterances = sorted(load_set(path), key=lambda u: u.name)
     if half is not None:
         utterances = utterances[(half == "odd") :: 2]
-    out = []
-    for u in utterances:
-        slot = runner.slab.alloc()
-        frames, done, chunks = len(u.audio) // FRAME_SAMPLES, 0, []
-        while done < frames:
-            step = STEP_FRAMES if frames - done >= STEP_FRAMES else 1
-            result = runner.run([slot], u.audio[done * FRAME_SAMPLES : (done + step) * FRAME_SAMPLES][None])
-            chunks.append((result.ids[0].copy(), result.logprobs[0].copy(), done))
-            done += step
-        runner.slab.free(slot)
-        out.append((normalize(u.reference), chunks))
-    return out
+    return [
+        (normalize(u.reference), [(ids.copy(), lps.copy(), first) for ids, lps, first in stream(runner, u.audio)])
+        for u in utterances
+    ]
 
 
 def score(outputs: Outputs, decoding: DecoderConfig, vocabulary: list[str]) -> dict:
