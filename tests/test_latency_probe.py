@@ -54,11 +54,14 @@ def test_probe_reports_both_classes(tmp_path):
 
 
 def test_overloaded_run_shows_deadline_misses(tmp_path):
-    # A deadline far below what one step costs: every realtime frame misses it.
+    # A deadline far below what one step costs: a frame that arrives while a step runs waits for it and
+    # misses. One that arrives at an idle engine may still make it, so how many miss depends on the
+    # machine's timing (99-163 of at most 2,400 frames in runs on a 2-core machine); the default deadline
+    # shows none (test_probe_reports_both_classes).
     with Server("--max-sessions", "16", "--deadline-ms", "0.2", "--batch-window-ms", "0") as server:
         result, _ = run_probe(server, tmp_path, "--realtime", "8", "--duration", "3")
     check_schema(result, realtime=8, batch=0)
-    assert result["classes"]["realtime"]["deadline_misses"] > 100
+    assert result["classes"]["realtime"]["deadline_misses"] >= 10
 
 
 def test_compare_prints_both_runs(tmp_path):
