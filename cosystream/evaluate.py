@@ -18,7 +18,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +116,12 @@ def tilt(audio: np.ndarray, db_per_octave: float, max_db: float = 24.0) -> np.nd
     return (out * (np.abs(audio).max() / (np.abs(out).max() + 1e-9))).astype(np.float32)
 
 
+def eval_runner(model: torch.nn.Module, top_k: int) -> Runner:
+    """A one-slot runner that steps 16 frames at a time, then single frames for a file's tail."""
+    config = RunnerConfig(max_batch=1, frame_buckets=(1, STEP_FRAMES), top_k=top_k)
+    return Runner(model, StateSlab(model.cache_specs(), 1), config)
+
+
 def stream(runner: Runner, audio: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """Stream ``audio`` through one slot of ``runner``: per step, the top-k token ids and log-probs of its
     frames (``[frames, K]``) and its first frame's index."""
@@ -132,11 +138,14 @@ def stream(runner: Runner, audio: np.ndarray) -> Iterator[tuple[np.ndarray, np.n
         runner.slab.free(slot)
 
 
-def recognize(runner: Runner, decoder: CtcDecoder | BeamCtcDecoder, audio: np.ndarray) -> tuple[str, float]:
-    """The hypothesis for ``audio`` and the seconds spent in the decoder."""
+def decode(
+    decoder: CtcDecoder | BeamCtcDecoder, outputs: Iterable[tuple[np.ndarray, np.ndarray, int]]
+) -> tuple[str, float]:
+    """The hypothesis for one file's model outputs (as :func:`stream` yields them) and the seconds spent in
+    the decoder."""
     decoder.reset()
     decode_s = 0.0
-    for ids, logprobs, first_frame in stream(runner, audio):
+    for ids, logprobs, first_frame in outputs:
         started = time.perf_counter()
         decoder.push(ids, logprobs, first_frame)
         decode_s += time.perf_counter() - started
@@ -155,15 +164,14 @@ def evaluate(
     torch.set_num_threads(1)
     model = load_model(model_path)
     decoding = (decoding or DecoderConfig()).resolve(model_path)
-    config = RunnerConfig(max_batch=1, frame_buckets=(1, STEP_FRAMES), top_k=decoding.top_k)
-    runner = Runner(model, StateSlab(model.cache_specs(), 1), config)
+    runner = eval_runner(model, decoding.top_k)
     decoder = DecoderFactory(decoding, model.vocabulary)()
     scored, audio_s, compute_s, decode_s = [], 0.0, 0.0, 0.0
     for utterance in load_set(test_set):
         audio = tilt(utterance.audio, tilt_db)
         audio = telephone(audio) if telephone_band else audio
         started = time.perf_counter()
-        hypothesis, decoding_s = recognize(runner, decoder, audio)
+        hypothesis, decoding_s = decode(decoder, stream(runner, audio))
         compute_s += time.perf_counter() - started
         decode_s += decoding_s
         audio_s += len(audio) / 16000

@@ -564,11 +564,12 @@ def test_tune_scores_every_grid_point_on_each_set_and_half(trained, tmp_path):
     """``training.tune`` decodes the default model's outputs once per grid point: a half-set scores only
     its half, and the word bonus moves the scores it reports as ``cosystream eval`` would."""
     from cosystream.evaluate import evaluate
+    from cosystream.models.loading import DEFAULT_MODEL_DIR
     from cosystream.server.beam import BeamConfig
     from cosystream.server.decoding import DecoderConfig
     from training import eval_set, tune
 
-    default = str(Path(tune.__file__).parent.parent / "cosystream" / "models" / "default")
+    default = str(DEFAULT_MODEL_DIR)
     data = tmp_path / "set"
     eval_set.main(["--corpus", str(trained.parent / "corpus"), "--out", str(data), "--groups", "train_voices"])
     out = tmp_path / "tune.json"

@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosystream.evaluate import STEP_FRAMES, edit_distance, load_set, normalize, stream
+from cosystream.evaluate import decode, edit_distance, eval_runner, load_set, normalize, stream
 from cosystream.models import load_model
-from cosystream.runtime.runner import Runner, RunnerConfig
-from cosystream.runtime.slab import StateSlab
+from cosystream.runtime.runner import Runner
 from cosystream.server.beam import BeamConfig
 from cosystream.server.decoding import DecoderConfig, DecoderFactory
 
@@ -48,14 +47,8 @@ def parse_set(spec: str) -> tuple[str, Path, str | None]:
     return name, Path(path), half
 
 
-def model_outputs(model_dir: str, path: Path, half: str | None, top_k: int) -> Outputs:
-    """Every utterance's per-frame top-k token ids and log-probs, streamed as the server would."""
-    model = load_model(model_dir)
-    runner = Runner(
-        model,
-        StateSlab(model.cache_specs(), 1),
-        RunnerConfig(max_batch=1, frame_buckets=(1, STEP_FRAMES), top_k=top_k),
-    )
+def model_outputs(runner: Runner, path: Path, half: str | None) -> Outputs:
+    """Every utterance's per-frame top-k token ids and log-probs, streamed as ``cosystream eval`` does."""
     utterances = sorted(load_set(path), key=lambda u: u.name)
     if half is not None:
         utterances = utterances[(half == "odd") :: 2]
@@ -69,13 +62,10 @@ def score(outputs: Outputs, decoding: DecoderConfig, vocabulary: list[str]) -> d
     decoder = DecoderFactory(decoding, vocabulary)()
     we = words = ce = chars = 0
     for reference, chunks in outputs:
-        decoder.reset()
-        for ids, logprobs, frame in chunks:
-            decoder.push(ids, logprobs, frame)
-        decoder.finalize()
-        we += edit_distance(reference.split(), decoder.text.split())
+        hypothesis, _ = decode(decoder, chunks)
+        we += edit_distance(reference.split(), hypothesis.split())
         words += len(reference.split())
-        ce += edit_distance(list(reference), list(decoder.text))
+        ce += edit_distance(list(reference), list(hypothesis))
         chars += len(reference)
     return {"wer": we / max(words, 1), "cer": ce / max(chars, 1), "words": words}
 
@@ -95,12 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for model_dir in args.model:
         base = DecoderConfig("beam").resolve(model_dir)
-        vocabulary = load_model(model_dir).vocabulary
-        outputs = {name: model_outputs(model_dir, path, half, base.top_k) for name, path, half in args.sets}
+        model = load_model(model_dir)
+        runner = eval_runner(model, base.top_k)
+        outputs = {name: model_outputs(runner, path, half) for name, path, half in args.sets}
         for alpha, beta in itertools.product(args.lm_weight, args.word_bonus):
             beam = dataclasses.replace(base.beam, alpha=alpha, beta=beta, beam_size=args.beam_size)
             decoding = dataclasses.replace(base, beam=beam)
-            sets = {name: score(out, decoding, vocabulary) for name, out in outputs.items()}
+            sets = {name: score(out, decoding, model.vocabulary) for name, out in outputs.items()}
             mean = sum(s["wer"] for s in sets.values()) / len(sets)
             rows.append(
                 {"model": model_dir, "lm_weight": alpha, "word_bonus": beta, "mean_wer": mean, "sets": sets}
