@@ -124,7 +124,11 @@ def eval_runner(model: torch.nn.Module, top_k: int) -> Runner:
 
 def stream(runner: Runner, audio: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """Stream ``audio`` through one slot of ``runner``: per step, the top-k token ids and log-probs of its
-    frames (``[frames, K]``) and its first frame's index."""
+    frames (``[frames, K]``) and its first frame's index. Like the server, it ends with the model's output
+    delay in silence (none for a model without right context)."""
+    delay = int(getattr(runner.model, "output_delay_frames", 0))
+    if delay:
+        audio = np.concatenate([audio, np.zeros(delay * FRAME_SAMPLES, dtype=audio.dtype)])
     slot = runner.slab.alloc()
     try:
         frames = len(audio) // FRAME_SAMPLES

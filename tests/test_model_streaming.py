@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cosystream.models import FRAME_SAMPLES, load_model, save_model
-from cosystream.models.conv_ctc import ConvCtcConfig
+from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
 from tests.conftest import speech_like
 
 
@@ -60,6 +60,44 @@ def test_streaming_equals_offline_float64(model, pcm, chunks):
         offline = double(pcm.double())
         streamed = stream(double, pcm.double(), chunks)
     assert_close(streamed, offline, 1e-9)
+
+
+@pytest.fixture(scope="module")
+def lookahead_model():
+    """Random weights with two centred blocks: 2 + 4 frames of right context."""
+    torch.manual_seed(1)
+    config = ConvCtcConfig(
+        vocabulary=("<blank>", " ", "a", "b"), channels=32, dilations=(1, 2, 4, 2, 4), lookahead_blocks=2
+    )
+    model = ConvCtcModel(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))  # biases and norms off their neutral start
+    return model
+
+
+@pytest.mark.parametrize("chunks", [[1], [1, 4, 2, 16, 3, 1, 7], [300]], ids=["T1", "uneven", "one-chunk"])
+def test_lookahead_blocks_stream_like_offline(lookahead_model, pcm, chunks):
+    with torch.no_grad():
+        offline = lookahead_model(pcm)
+        streamed = stream(lookahead_model, pcm, chunks)
+    assert_close(streamed, offline, 1e-4)
+
+
+def test_lookahead_blocks_delay_the_output_by_their_right_context(lookahead_model, pcm):
+    """Centred blocks whose convolutions add nothing pass the frame ``output_delay_frames`` back through
+    their skip connections: the output is the causal blocks' output, that many frames later."""
+    model = copy.deepcopy(lookahead_model)
+    assert model.output_delay_frames == model.config.output_delay_frames == 2 + 4
+    causal = copy.deepcopy(model)
+    causal.blocks = causal.blocks[:3]
+    with torch.no_grad():
+        for block in model.blocks[3:]:
+            block.conv.weight.zero_()
+            block.conv.bias.zero_()
+        delayed, reference = model(pcm), causal(pcm)
+    assert_close(delayed[:, 6:], reference[:, :-6], 1e-5)
+    assert not torch.allclose(delayed[:, 6:], reference[:, 6:], atol=1e-3)
 
 
 def test_first_frames_match_from_frame_zero(model, pcm):
@@ -115,6 +153,14 @@ def test_config_validation():
         ConvCtcConfig(vocabulary=("<blank>",))
     with pytest.raises(ValueError, match="dilations"):
         ConvCtcConfig(vocabulary=("<blank>", "a"), dilations=(1, 0))
+    with pytest.raises(ValueError, match="odd kernel_size"):
+        ConvCtcConfig(vocabulary=("<blank>", "a"), kernel_size=2, lookahead_blocks=1)
+    with pytest.raises(ValueError, match="lookahead_blocks"):
+        ConvCtcConfig(vocabulary=("<blank>", "a"), dilations=(1, 2), lookahead_blocks=3)
+    assert (
+        ConvCtcConfig(vocabulary=("<blank>", "a"), dilations=(1, 2, 4, 8), lookahead_blocks=2).output_delay_frames
+        == 12
+    )
 
 
 def test_unknown_architecture_is_refused(tmp_path, model):

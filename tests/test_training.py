@@ -456,6 +456,18 @@ def test_fine_tune_can_append_residual_blocks(trained, tmp_path):
     with pytest.raises(SystemExit, match="must extend"):
         train.deepen(small.config, small.state_dict(), (2, 2, 4, 8), seed=0)
 
+    # Appended centred blocks (right context) start as a delay: the trained model's output, later.
+    config, weights = train.deepen(small.config, small.state_dict(), (1, 2, 4, 4, 8), seed=0, lookahead_blocks=2)
+    ahead = type(small)(config)
+    ahead.load_state_dict(weights)
+    assert ahead.output_delay_frames == 12
+    with torch.no_grad():
+        later = ahead.eval()(pcm)
+    assert (later[:, 12:] - before[:, :-12]).abs().max() < 0.05 * before.abs().max()
+    assert (later[:, 12:] - before[:, 12:]).abs().max() > 0.2 * before.abs().max()
+    with pytest.raises(SystemExit, match="only appended blocks"):
+        train.deepen(small.config, small.state_dict(), (1, 2, 4, 8), seed=0, lookahead_blocks=2)
+
 
 def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp_path):
     """``--lexicon`` turns the vocabulary into the lexicon's phoneme units: ``--init``'s output layer is

@@ -123,7 +123,8 @@ class BatchSource(torch.utils.data.Dataset):
     An item is a dict: ``audio [B, N]`` (zero-padded), ``in_lengths`` (frames), ``targets`` (flat),
     ``tgt_lengths``, ``seconds`` (unpadded audio), and ``time_mask [B, T]`` / ``freq_mask [B, n_mels]`` for
     SpecAugment, ``warp [B]`` VTLP factors (``None`` without augmentation or ``vtlp``) and ``colour [B, n_mels]``
-    channel gains in dB at ``mel_centres_hz`` (``None`` without augmentation or ``channel_eq``)."""
+    channel gains in dB at ``mel_centres_hz`` (``None`` without augmentation or ``channel_eq``).
+    ``tail_frames`` of silence follow every utterance (a model with lookahead outputs that much later)."""
 
     def __init__(
         self,
@@ -139,7 +140,9 @@ class BatchSource(torch.utils.data.Dataset):
         channel_eq: float = 0.0,
         mel_centres_hz: np.ndarray | None = None,
         units=None,
+        tail_frames: int = 0,
     ):
+        self.tail_frames = tail_frames
         self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
         self.units = units  # text -> the model's unit string (phonemes); None: the text itself
         self.seed, self.epoch, self.first, self.augment_on, self.vtlp = seed, epoch, first, augment_on, vtlp
@@ -156,10 +159,10 @@ class BatchSource(torch.utils.data.Dataset):
             pcm, text = self.corpus.get(name, idx)
             pcms.append(augment(pcm, rng) if self.augment_on else pcm)
             targets.append(encode_text(text if self.units is None else self.units(text), self.vocab))
-        audio = torch.zeros(len(pcms), max(x.size for x in pcms))
+        audio = torch.zeros(len(pcms), max(x.size for x in pcms) + self.tail_frames * HOP)
         for row, x in enumerate(pcms):
             audio[row, : x.size] = torch.from_numpy(x)
-        frames = [x.size // HOP for x in pcms]
+        frames = [x.size // HOP + self.tail_frames for x in pcms]
         masks = (None, None)
         if self.augment_on:
             masks = tuple(torch.from_numpy(m) for m in spec_masks(frames, self.n_mels, rng, audio.shape[1] // HOP))
@@ -356,13 +359,19 @@ def model_and_optimizer(
     return model, opt
 
 
-def deepen(config: ConvCtcConfig, weights: dict, dilations: tuple[int, ...], seed: int) -> tuple:
+def deepen(
+    config: ConvCtcConfig, weights: dict, dilations: tuple[int, ...], seed: int, lookahead_blocks: int = 0
+) -> tuple:
     """``config`` and ``weights`` with residual blocks appended (``dilations`` extends the config's): the new
     blocks start near the identity (their convolutions at 5% of a fresh initialization; exactly zero would
-    never train, as ReLU passes no gradient at 0), so a fine-tune starts from the trained model's output."""
+    never train, as ReLU passes no gradient at 0), so a fine-tune starts from the trained model's output.
+    ``lookahead_blocks`` of the new blocks (the last ones) are centred: near the identity they delay the
+    output, so the fine-tune still starts from the same transcripts."""
     if dilations[: len(config.dilations)] != config.dilations:
         raise SystemExit(f"--config dilations {list(dilations)} must extend the model's {list(config.dilations)}")
-    grown = dataclasses.replace(config, dilations=dilations)
+    if config.lookahead_blocks or lookahead_blocks > len(dilations) - len(config.dilations):
+        raise SystemExit("--config lookahead_blocks: only appended blocks can be centred")
+    grown = dataclasses.replace(config, dilations=dilations, lookahead_blocks=lookahead_blocks)
     torch.manual_seed(seed)
     state = ConvCtcModel(grown).state_dict()
     for k, v in weights.items():
@@ -457,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
         help="fine-tune: a new run starts from the weights and feature normalization of this checkpoint or "
         "model directory (e.g. cosystream/models/default) "
         "(fresh optimizer and schedule); ignored when the run resumes. With --config dilations that extend "
-        "the model's, the extra residual blocks are appended, starting near the identity",
+        "the model's, the extra residual blocks are appended, starting near the identity; --config "
+        "lookahead_blocks centres the last blocks (appended ones start as a pure delay)",
     )
     p.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast for the network (about 2x faster on CPUs with AMX)"
@@ -524,7 +534,10 @@ def main(argv: list[str] | None = None) -> None:
     vocab = {c: i for i, c in enumerate(config.vocabulary)}
     deeper = overrides.get("dilations")
     if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
-        config, weights = deepen(config, weights, tuple(deeper), args.seed)
+        config, weights = deepen(config, weights, tuple(deeper), args.seed, overrides.get("lookahead_blocks", 0))
+    elif ck is None and weights is not None and "lookahead_blocks" in overrides:
+        # The model's own last blocks centred: their skips move back, and the fine-tune re-learns around them.
+        config = dataclasses.replace(config, lookahead_blocks=overrides["lookahead_blocks"])
     model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
 
     torch.manual_seed(args.seed)
@@ -645,6 +658,7 @@ def main(argv: list[str] | None = None) -> None:
             args.channel_eq,
             centres_hz,
             units,
+            config.output_delay_frames,
         )
         loader = torch.utils.data.DataLoader(
             source,

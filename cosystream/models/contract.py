@@ -9,7 +9,10 @@ A model is a ``torch.nn.Module`` with:
 - ``step(pcm, caches) -> (logits, caches)``: ``pcm`` float ``[B, T * 160]`` in [-1, 1], ``logits [B, T, V]``.
   Pure: no host sync, no data-dependent shapes, so it can be captured in a CUDA graph;
 - ``forward(pcm) -> logits [B, N // 160, V]``: the offline pass, which streaming ``step`` over any chunking
-  reproduces from frame 0.
+  reproduces from frame 0;
+- optionally ``output_delay_frames``: how many frames the outputs lag the audio (a model with right
+  context; absent: 0). The server sends that much silence after each utterance before its final result,
+  so the last words come out, and moves word times back by it.
 """
 
 from __future__ import annotations

@@ -80,6 +80,9 @@ class ConvCtcConfig:
     channels: int = 192
     kernel_size: int = 3
     dilations: tuple[int, ...] = (1, 2, 4, 8, 16, 1, 2, 4, 8)
+    # The last ``lookahead_blocks`` residual blocks are centred: each sees ``(kernel_size - 1) // 2 *
+    # dilation`` frames past the one it outputs, and delays the output by as much (``output_delay_frames``).
+    lookahead_blocks: int = 0
     architecture: str = field(default="conv_ctc")
     name: str = "conv-ctc"
     language: str = "en-US"
@@ -91,11 +94,21 @@ class ConvCtcConfig:
             raise ValueError(f"window_samples must be >= the {HOP_SAMPLES}-sample hop")
         if self.kernel_size < 1 or any(d < 1 for d in self.dilations):
             raise ValueError("kernel_size and dilations must be >= 1")
+        if not 0 <= self.lookahead_blocks <= len(self.dilations):
+            raise ValueError("lookahead_blocks must be between 0 and the number of blocks")
+        if self.lookahead_blocks and self.kernel_size % 2 == 0:
+            raise ValueError("lookahead blocks need an odd kernel_size (a centre tap)")
 
     @property
     def receptive_field_frames(self) -> int:
         """Frames of past context that reach one output (input conv + blocks + the current frame)."""
         return 1 + (self.kernel_size - 1) * (1 + sum(self.dilations))
+
+    @property
+    def output_delay_frames(self) -> int:
+        """Frames by which the lookahead blocks delay the output: its right context, a latency cost."""
+        centred = self.dilations[len(self.dilations) - self.lookahead_blocks :]
+        return (self.kernel_size - 1) // 2 * sum(centred)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -139,7 +152,12 @@ class CausalConv(nn.Module):
         """How many frames back each tap reads, oldest first (the last tap is the current frame)."""
         return [(self.kernel_size - 1 - j) * self.dilation for j in range(self.kernel_size)]
 
-    def step_rows(
+    def step_rows(self, x: torch.Tensor, *where) -> torch.Tensor:
+        """Step ``x [B * T, C_in]``: :meth:`window_rows` (same arguments), then the convolution's matmul.
+        Returns ``[B * T, C_out]``."""
+        return torch.addmm(self.bias, self.window_rows(x, *where), self.weight)
+
+    def window_rows(
         self,
         x: torch.Tensor,
         batch: int,
@@ -148,11 +166,12 @@ class CausalConv(nn.Module):
         write: torch.Tensor,
         plan: _LayerPlan,
     ) -> torch.Tensor:
-        """Step ``x [B * T, C_in]`` (frames of B rows, row-major) against ``rings [S, size, C_in]``.
+        """The input windows of ``x [B * T, C_in]`` (frames of B rows, row-major) against ``rings [S, size,
+        C_in]``: ``[B * T, k * C_in]``, taps oldest first.
 
         ``read [B * R]`` are the flat rows (of ``rings.view(-1, C_in)``) of the past frames the taps need,
         ``write [B * W]`` where the newest frames go. Reads happen before writes: a new frame overwrites
-        the one ``size`` frames older, which may be one of its own taps. Returns ``[B * T, C_out]``.
+        the one ``size`` frames older, which may be one of its own taps.
         """
         channels = self.in_channels
         flat = rings.view(-1, channels)
@@ -164,21 +183,29 @@ class CausalConv(nn.Module):
             source = torch.cat([past.view(batch, -1, channels), x.view(batch, -1, channels)], dim=1)
             window = source.index_select(1, plan.taps).view(x.shape[0], -1)
             flat.index_copy_(0, write, x.view(batch, -1, channels).index_select(1, plan.newest).view(-1, channels))
-        return torch.addmm(self.bias, window, self.weight)
+        return window
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        padded = F.pad(x.transpose(1, 2), (self.context, 0))
+    def forward(self, x: torch.Tensor, pad: bool = True) -> torch.Tensor:
+        """``[B, T, C_in] -> [B, T, C_out]``, zeros before the start; ``pad=False``: ``x`` carries its own
+        ``context`` frames of history and the output is ``context`` frames shorter."""
+        padded = F.pad(x.transpose(1, 2), (self.context if pad else 0, 0))
         weight = self.weight.view(self.kernel_size, self.in_channels, -1).permute(2, 1, 0)  # conv1d's layout
         return F.conv1d(padded, weight, self.bias, dilation=self.dilation).transpose(1, 2)
 
 
 class ResidualBlock(nn.Module):
-    """``x + relu(conv(layer_norm(x)))``: per-frame normalization keeps the block causal."""
+    """``x + relu(conv(layer_norm(x)))``: per-frame normalization keeps the block causal.
 
-    def __init__(self, channels: int, kernel_size: int, dilation: int):
+    A ``centred`` block outputs frame ``t - h`` (``h = context // 2``): ``x[t - h] + relu(conv(...)[t])``, its
+    skip connection taken from the centre tap, so it sees ``h`` frames past the frame it outputs. Its ring
+    then keeps raw frames, normalized as they are read (the skip needs them raw; zeros before the start).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, dilation: int, centred: bool = False):
         super().__init__()
         self.norm = nn.LayerNorm(channels)
         self.conv = CausalConv(channels, channels, kernel_size, dilation)
+        self.centred = centred
 
     def step_rows(
         self,
@@ -189,10 +216,21 @@ class ResidualBlock(nn.Module):
         write: torch.Tensor,
         plan: _LayerPlan,
     ) -> torch.Tensor:
-        return x + torch.relu(self.conv.step_rows(self.norm(x), batch, rings, read, write, plan))
+        if not self.centred:
+            return x + torch.relu(self.conv.step_rows(self.norm(x), batch, rings, read, write, plan))
+        conv = self.conv
+        taps = conv.window_rows(x, batch, rings, read, write, plan).view(x.shape[0], conv.kernel_size, -1)
+        out = torch.addmm(conv.bias, self.norm(taps).flatten(1), conv.weight)
+        return taps[:, conv.kernel_size // 2] + torch.relu(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.conv(self.norm(x)))
+        if not self.centred:
+            return x + torch.relu(self.conv(self.norm(x)))
+        context, frames = self.conv.context, x.shape[1]
+        padded = F.pad(x, (0, 0, context, 0))
+        return padded[:, context // 2 : context // 2 + frames] + torch.relu(
+            self.conv(self.norm(padded), pad=False)
+        )
 
 
 class ConvCtcModel(nn.Module):
@@ -207,8 +245,10 @@ class ConvCtcModel(nn.Module):
             config.window_samples, config.n_mels, SAMPLE_RATE_HZ, config.f_min_hz, config.f_max_hz
         )
         self.input_conv = CausalConv(config.n_mels, config.channels, config.kernel_size, 1)
+        first_centred = len(config.dilations) - config.lookahead_blocks
         self.blocks = nn.ModuleList(
-            ResidualBlock(config.channels, config.kernel_size, d) for d in config.dilations
+            ResidualBlock(config.channels, config.kernel_size, d, centred=i >= first_centred)
+            for i, d in enumerate(config.dilations)
         )
         self.out_norm = nn.LayerNorm(config.channels)
         self.head = nn.Linear(config.channels, len(self.vocabulary))
@@ -216,6 +256,11 @@ class ConvCtcModel(nn.Module):
             raise ValueError("kernel_size must be >= 2 (a kernel of 1 has no time context)")
         self.register_buffer("_ring_sizes", torch.tensor([c.context for c in self._convs()]), persistent=False)
         self._plans: dict[tuple[int, torch.device], _StepPlan] = {}
+
+    @property
+    def output_delay_frames(self) -> int:
+        """Frames by which outputs lag the audio (the lookahead blocks' right context; see the contract)."""
+        return self.config.output_delay_frames
 
     def _convs(self) -> list[CausalConv]:
         return [self.input_conv, *(block.conv for block in self.blocks)]
