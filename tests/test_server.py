@@ -199,6 +199,72 @@ def test_half_close_flushes_the_last_final(stub):
     assert finals[0].end_ms >= 200 + len(speech(SENTENCE)) * 1000 // 16000 - 300
 
 
+def trimmed(text: str) -> np.ndarray:
+    """espeak-ng's ``text`` cut at the 10 ms frame of its last sample above -34 dBFS: no silence after the
+    last word (and no partial frame, which a half-close would flush as a new utterance after a FINALIZE)."""
+    audio = speech(text)
+    last = np.nonzero(np.abs(audio) > 0.02)[0][-1]
+    return audio[: (last // 160 + 1) * 160]
+
+
+CUT = "please call me back tomorrow morning"  # a cut at the last sample costs the default model "morning"
+
+
+def test_an_utterance_cut_at_its_last_word_still_gets_it(stub):
+    """Half-close or FINALIZE right after the last word: the server follows the utterance with the silence
+    a causal model needs to emit that word, so the final is the one a pause would have given."""
+    words = trimmed(CUT)
+    paused = run_stream(stub, config(), encode(np.concatenate([silence(0.3), words, silence(1.0)]), "LINEAR16"))
+    cut = run_stream(stub, config(), encode(np.concatenate([silence(0.3), words]), "LINEAR16"))
+    finalized = run_stream(
+        stub,
+        config(),
+        encode(np.concatenate([silence(0.3), words]), "LINEAR16"),
+        extra=[pb.StreamingRecognizeRequest(control=pb.Control(type=pb.Control.FINALIZE))],
+    )
+    expected = [f.transcript for f in check_event_contract(paused)]
+    assert expected[0].endswith("morning"), expected
+    assert [f.transcript for f in check_event_contract(cut)] == expected
+    assert [f.transcript for f in check_event_contract(finalized)] == expected
+
+
+def delayed_default_model(directory) -> str:
+    """The default model with two centred blocks appended that add nothing: its outputs, 120 ms later."""
+    import shutil
+
+    from cosystream.models import load_model, save_model
+    from training.train import deepen
+
+    model = load_model(DEFAULT_MODEL_DIR)
+    config, weights = deepen(model.config, model.state_dict(), (*model.config.dilations, 4, 8), 0, 2)
+    for i in range(len(model.config.dilations), len(config.dilations)):
+        weights[f"blocks.{i}.conv.weight"].zero_()
+    delayed = type(model)(config)
+    delayed.load_state_dict(weights)
+    save_model(delayed, directory)
+    for path in DEFAULT_MODEL_DIR.iterdir():  # the lexicon and the language model
+        if not (directory / path.name).exists():
+            shutil.copy(path, directory / path.name)
+    return str(directory)
+
+
+def test_a_model_with_right_context_gets_its_last_words_and_true_word_times(stub, tmp_path):
+    """A model whose outputs lag the audio (``output_delay_frames``): the server sends that much more
+    silence after each utterance and moves word times back by it, so a cut utterance ends as it does with
+    the default model (its first 120 ms are the delayed model's start-up, not the default's: not compared)."""
+    data = encode(np.concatenate([silence(0.3), trimmed(CUT)]), "LINEAR16")
+    request = config(enable_word_time_offsets=True)
+    (reference,) = check_event_contract(run_stream(stub, request, data))
+    with local_server(max_sessions=2, model_path=delayed_default_model(tmp_path)) as srv:
+        channel = grpc.insecure_channel(srv.address)
+        (delayed,) = check_event_contract(run_stream(pb_grpc.CosyStreamStub(channel), request, data))
+        channel.close()
+    assert delayed.transcript.split()[-3:] == reference.transcript.split()[-3:] == ["back", "tomorrow", "morning"]
+    for ours, theirs in zip(delayed.words[-3:], reference.words[-3:], strict=True):
+        assert abs(ours.start_ms - theirs.start_ms) <= 10 and abs(ours.end_ms - theirs.end_ms) <= 10
+    assert delayed.end_ms == reference.end_ms
+
+
 @pytest.mark.parametrize("encoding", ["LINEAR16", "MULAW", "ALAW"])
 @pytest.mark.parametrize("rate_hz", [8000, 16000])
 def test_rates_and_encodings(stub, encoding, rate_hz):

@@ -144,6 +144,7 @@ def server_info(
         "language": model.config.language,
         "vocabulary": list(model.vocabulary),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "output_delay_frames": int(getattr(model, "output_delay_frames", 0)),
         "max_sessions": max_sessions,
         "graph_mode": graph_mode.value,
         "decoder": decoder.to_dict(),

@@ -112,6 +112,7 @@ class _Stream:
             max_in_flight_frames=servicer.options.max_in_flight_frames,
             on_first_result=metrics.observe_first_result,
             on_result_latency=lambda s: metrics.observe_result(priority_label, s),
+            output_delay_frames=servicer.info.get("output_delay_frames", 0),
         )
         self.reader: asyncio.Task | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
