@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cosystream.models import FRAME_SAMPLES, load_model
+from tests.conftest import speech_like
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng")
 
@@ -461,12 +462,23 @@ def test_fine_tune_can_append_residual_blocks(trained, tmp_path):
     ahead = type(small)(config)
     ahead.load_state_dict(weights)
     assert ahead.output_delay_frames == 12
+    voiced = torch.from_numpy(speech_like(2.0, seed=4))[None]  # outputs that change from frame to frame
     with torch.no_grad():
-        later = ahead.eval()(pcm)
-    assert (later[:, 12:] - before[:, :-12]).abs().max() < 0.05 * before.abs().max()
-    assert (later[:, 12:] - before[:, 12:]).abs().max() > 0.2 * before.abs().max()
+        now, later = small(voiced), ahead.eval()(voiced)
+    shifted = (later[:, 12:] - now[:, :-12]).abs().max()
+    assert shifted < 0.05 * now.abs().max()
+    assert (later[:, 12:] - now[:, 12:]).abs().max() > 3 * shifted
     with pytest.raises(SystemExit, match="only appended blocks"):
         train.deepen(small.config, small.state_dict(), (1, 2, 4, 8), seed=0, lookahead_blocks=2)
+    # Or the model's own last block centred: the run trains that config, and its batches carry the delay.
+    centred = first_loss(
+        tmp_path / "centred", "--init", str(trained / "last.pt"), "--config", '{"lookahead_blocks": 1}'
+    )
+    saved = torch.load(tmp_path / "centred" / "last.pt", weights_only=False)
+    assert saved["config"]["lookahead_blocks"] == 1 and saved["config"]["dilations"] == list(
+        small.config.dilations
+    )
+    assert 0 < loss(centred) < 0.5 * loss(scratch)
 
 
 def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp_path):

@@ -214,8 +214,9 @@ class Session:
                     # an utterance ended early (FINALIZE, half-close, length limit) gets silence instead.
                     trailing = utterance.first_frame + utterance.sent - utterance.end.end_frame
                     pad = max(0, END_CONTEXT_FRAMES + self.output_delay_frames - trailing)
-                    if pad > self.max_in_flight_frames - (utterance.sent - utterance.received):
-                        return
+                    in_flight = utterance.sent - utterance.received
+                    if in_flight and pad > self.max_in_flight_frames - in_flight:
+                        return  # (sent anyway once nothing is in flight, whatever the in-flight limit)
                     if pad:
                         self.engine.send_frames(self.key, np.zeros((pad, FRAME_SAMPLES), dtype=np.float32))
                         utterance.sent += pad
