@@ -26,7 +26,7 @@ import numpy as np
 import soxr
 import torch
 
-from cosystream.models import FRAME_SAMPLES, load_model
+from cosystream.models import FRAME_SAMPLES, load_model, output_delay_frames
 from cosystream.runtime.runner import Runner, RunnerConfig
 from cosystream.runtime.slab import StateSlab
 from cosystream.server.audio import MULAW_TO_INT16, encode_mulaw
@@ -126,7 +126,7 @@ def stream(runner: Runner, audio: np.ndarray) -> Iterator[tuple[np.ndarray, np.n
     """Stream ``audio`` through one slot of ``runner``: per step, the top-k token ids and log-probs of its
     frames (``[frames, K]``) and its first frame's index. Like the server, it ends with the model's output
     delay in silence (none for a model without right context)."""
-    delay = int(getattr(runner.model, "output_delay_frames", 0))
+    delay = output_delay_frames(runner.model)
     if delay:
         audio = np.concatenate([audio, np.zeros(delay * FRAME_SAMPLES, dtype=audio.dtype)])
     slot = runner.slab.alloc()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import string
 import threading
 import time
@@ -230,8 +231,6 @@ def test_an_utterance_cut_at_its_last_word_still_gets_it(stub):
 
 def delayed_default_model(directory) -> str:
     """The default model with two centred blocks appended that add nothing: its outputs, 120 ms later."""
-    import shutil
-
     from cosystream.models import load_model, save_model
     from training.train import deepen
 

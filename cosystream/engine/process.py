@@ -24,7 +24,7 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.logs import configure as configure_logs
-from cosystream.models.contract import FRAME_SAMPLES
+from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
 from cosystream.runtime.runner import GraphMode
 from cosystream.server.decoding import DecoderConfig
 
@@ -144,7 +144,7 @@ def server_info(
         "language": model.config.language,
         "vocabulary": list(model.vocabulary),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "output_delay_frames": int(getattr(model, "output_delay_frames", 0)),
+        "output_delay_frames": output_delay_frames(model),
         "max_sessions": max_sessions,
         "graph_mode": graph_mode.value,
         "decoder": decoder.to_dict(),

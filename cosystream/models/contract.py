@@ -46,3 +46,8 @@ class StreamingModel(Protocol):
     def step(self, pcm: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
 
     def forward(self, pcm: torch.Tensor) -> torch.Tensor: ...
+
+
+def output_delay_frames(model: torch.nn.Module) -> int:
+    """The model's ``output_delay_frames`` (the contract's optional attribute), 0 where it has none."""
+    return int(getattr(model, "output_delay_frames", 0))

@@ -114,8 +114,8 @@ class Session:
         self.on_first_result = on_first_result
         self.on_result_latency = on_result_latency
         self.clock = clock
-        # A model with right context outputs each frame this much later: every utterance ends with that
-        # much silence sent, so its last words come out, and word times are moved back by it.
+        # A model with right context outputs each frame this much later: an utterance's end-of-utterance
+        # silence includes that much more, so its last words come out, and word times are moved back by it.
         self.output_delay_frames = output_delay_frames
         self._decoder = Decoder(config.encoding)
         self._resampler = Resampler(config.sample_rate_hz)
