@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosystream.server.audio import FRAME_SAMPLES, AudioEncoding, Decoder, Framer, Resampler
+from cosystream.frames import FRAME_SAMPLES
+from cosystream.server.audio import AudioEncoding, Decoder, Framer, Resampler
 from cosystream.server.vad import (
     Decision,
     Endpointer,

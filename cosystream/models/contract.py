@@ -22,8 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-FRAME_SAMPLES = 160
-"""One 10 ms frame at 16 kHz: the unit of every model step."""
+from cosystream.frames import FRAME_SAMPLES  # noqa: F401  (re-exported: the unit of every model step)
 
 
 @dataclass(frozen=True, slots=True)

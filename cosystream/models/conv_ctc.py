@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosystream.frames import SAMPLE_RATE_HZ
 from cosystream.models.contract import FRAME_SAMPLES, CacheSpec
 from cosystream.models.features import LogMel
 
 HOP_SAMPLES = FRAME_SAMPLES
-SAMPLE_RATE_HZ = 16000
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,11 +15,10 @@ from enum import IntEnum
 import numpy as np
 import soxr
 
+from cosystream.frames import FRAME_SAMPLES, SAMPLE_RATE_HZ
+
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE_HZ = 16000
-FRAME_MS = 10
-FRAME_SAMPLES = SAMPLE_RATE_HZ * FRAME_MS // 1000
 MIN_INPUT_RATE_HZ = 8000
 MAX_INPUT_RATE_HZ = 48000
 

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosystream.frames import FRAME_MS
 from cosystream.models.loading import DEFAULT_MODEL_DIR
-from cosystream.server.audio import FRAME_MS
 from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon, read_spellings
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.lm import NgramLm

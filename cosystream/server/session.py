@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cosystream.engine.scheduler import Priority
-from cosystream.server.audio import FRAME_MS, FRAME_SAMPLES, AudioEncoding, Decoder, Framer, Resampler
+from cosystream.frames import FRAME_MS, FRAME_SAMPLES
+from cosystream.server.audio import AudioEncoding, Decoder, Framer, Resampler
 from cosystream.server.beam import BeamCtcDecoder
 from cosystream.server.ctc import CtcDecoder
 from cosystream.server.vad import Decision, Endpointer, EndpointingConfig, FrameRing, Vad

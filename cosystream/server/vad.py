@@ -20,7 +20,7 @@ from enum import StrEnum
 import numpy as np
 import webrtcvad
 
-from cosystream.server.audio import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from cosystream.frames import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
 
 logger = logging.getLogger(__name__)
 
