@@ -71,8 +71,10 @@ class Session:
         return chunk
 
     def offline(self, model) -> torch.Tensor:
+        """The offline pass over the audio streamed so far, on the model's device."""
+        device = next(model.parameters()).device
         with torch.no_grad():
-            return model(torch.from_numpy(self.audio)[None])[0, : self.next_frame]
+            return model(torch.from_numpy(self.audio).to(device)[None])[0, : self.next_frame]
 
 
 def run_interleaved(model, runner: Runner, seed: int) -> list[Session]:
@@ -100,8 +102,8 @@ def run_interleaved(model, runner: Runner, seed: int) -> list[Session]:
         for row, s in enumerate(batch):
             s.logits.append(out.logits[row])
             best = torch.log_softmax(out.logits[row], -1).topk(k, dim=-1)
-            np.testing.assert_array_equal(out.ids[row], best.indices.numpy())
-            np.testing.assert_allclose(out.logprobs[row], best.values.numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(out.ids[row], best.indices.cpu().numpy())
+            np.testing.assert_allclose(out.logprobs[row], best.values.cpu().numpy(), rtol=1e-5, atol=1e-5)
     return sessions
 
 
@@ -150,6 +152,17 @@ def test_freed_slot_starts_clean(model):
     torch.testing.assert_close(out.logits[0], again.offline(model), rtol=0, atol=1e-4)
 
 
+def test_a_step_result_survives_the_next_step(model):
+    """The runner reuses its output buffers: what it returned must be a copy."""
+    runner = make_runner(model, top_k=3)
+    slot = runner.slab.alloc()
+    first = runner.run([slot], speech_like(0.01, seed=1)[None])
+    ids, logprobs = first.ids.copy(), first.logprobs.copy()
+    runner.run([slot], speech_like(0.01, seed=2)[None] * 0.5)
+    np.testing.assert_array_equal(first.ids, ids)
+    np.testing.assert_array_equal(first.logprobs, logprobs)
+
+
 def test_run_rejects_bad_shapes(model):
     runner = make_runner(model)
     slot = runner.slab.alloc()
@@ -166,10 +179,20 @@ def test_run_rejects_bad_shapes(model):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture
+def full_fp32():
+    """Full float32 on CUDA: the offline reference's convolutions would otherwise run through cuDNN with TF32
+    (allowed by default; about 1e-3 relative error) while the streamed step's matmuls do not."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "gather-scatter"])
-def test_graph_replay_equals_eager(model, direct):
+def test_graph_replay_equals_eager(model, direct, full_fp32):
     gpu_model = model.to("cuda")
     try:
         graphs = make_runner(gpu_model, direct=direct, device="cuda", graphs=True, max_sessions=16, max_batch=16)
@@ -182,6 +205,25 @@ def test_graph_replay_equals_eager(model, direct):
             assert (torch.cat(sg.logits) - offline).abs().max().item() <= 1e-4 * max(1, offline.abs().max().item())
     finally:
         model.to("cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_are_captured_on_the_device_asked_for(model):
+    from cosystream.engine.process import resolve_device
+
+    last = resolve_device(f"cuda:{torch.cuda.device_count() - 1}")
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    gpu_model = model.to(last)
+    try:
+        runner = make_runner(gpu_model, device=last, graphs=True, max_sessions=2, max_batch=2)
+        assert torch.cuda.current_device() == last.index
+        slot = runner.slab.alloc()
+        out = runner.run([slot], speech_like(0.04, seed=4)[None], return_logits=True)
+        assert out.logits.device == last and out.ids.shape == (1, 4, 1)
+    finally:
+        model.to("cpu")
+        torch.cuda.set_device(0)
 
 
 @pytest.mark.gpu
@@ -211,3 +253,16 @@ def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
     assert stepped == 16
     box = core.take_outbox()[0]
     assert box.events == [(ipc.OPENED, 7)] and sum(len(ids) for ids in box.ids) == 16
+
+
+def test_a_cuda_device_that_is_not_there_is_refused_with_a_reason():
+    from cosystream.engine.process import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"cuda:0\.\.cuda:"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda:1")
+        assert resolve_device("auto") == torch.device("cpu")

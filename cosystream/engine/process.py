@@ -49,12 +49,30 @@ class EngineProcessConfig:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a device with its index settled (``cuda`` is ``cuda:0``)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but no CUDA device is available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name} was asked for, but no CUDA device is available")
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        device = torch.device("cuda", index)
     return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the process's current CUDA device, in full float32.
+
+    Full float32 (no TF32) keeps the engine's outputs equal to the offline pass within the streaming
+    tolerance; docs/GPU.md has what TF32 would gain on the step (``benchmarks/step.py --device cuda``)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def start_engine(config: EngineProcessConfig) -> mp.Process:
@@ -72,6 +90,14 @@ def exit_with_parent() -> None:
         log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
 
 
+def set_process_name(name: str) -> None:
+    """Linux: name this process (``ps -o comm``, ``top``, the benchmarks' per-process CPU), <= 15 bytes."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        log.debug("prctl(PR_SET_NAME) unavailable")
+
+
 def raise_priority(increment: int = -5) -> None:
     """Every session waits on the engine's steps: when it shares cores with frontends (a CPU host), the
     OS should run it first. Needs CAP_SYS_NICE (root); elsewhere it stays at normal priority."""
@@ -83,6 +109,7 @@ def raise_priority(increment: int = -5) -> None:
 
 def engine_main(config: EngineProcessConfig) -> None:
     exit_with_parent()
+    set_process_name("cs-engine")
     raise_priority()
     configure_logs(config.log_level, config.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
@@ -100,6 +127,7 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     from cosystream.models import load_model
 
     device = resolve_device(config.device)
+    use_device(device)
     if device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)
     engine_config = config.engine

@@ -1,7 +1,7 @@
 """CUDA-graph capture and replay: the only module in cosystream that captures graphs.
 
 The key table is the only source of truth: a key captured at start-up is replayed, anything else runs
-eager. Graphs are captured largest first into one memory pool so that the smaller ones reuse its blocks;
+eager (the caller asks ``key in graphs`` first; ``replay`` of an unknown key raises ``KeyError``). Graphs are captured largest first into one memory pool so that the smaller ones reuse its blocks;
 after ``freeze()`` any new capture raises, so no capture (and no allocation) can happen while serving.
 """
 
@@ -21,6 +21,8 @@ class CudaGraphs:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.device = device
+        # Capture and replay use the current device: make it this one (``cuda:1`` must not capture on 0).
+        torch.cuda.set_device(device)
         self.warmup_iterations = warmup_iterations
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}

@@ -5,8 +5,8 @@ A model that also has ``step_slots(pcm, slab_tensors, slots)`` is stepped direct
 
 ``run(slot_ids, frames)`` pads the batch up to the next bucket with the slab's scratch slot, so only a
 fixed set of shapes ever runs: one per (batch bucket, frames per step). On CUDA each of those is captured
-as a graph at start-up and replayed by copying inputs into the buffers it was captured with. The eager path
-always exists (CPU, ``--no-cuda-graphs``) and computes the same thing.
+as a graph at start-up and replayed by copying inputs into the buffers it was captured with; a shape with
+no graph runs eager. The eager path always exists (CPU, ``--no-cuda-graphs``) and computes the same thing.
 """
 
 from __future__ import annotations
@@ -92,8 +92,22 @@ class Runner:
             t: torch.zeros((max_rows, t, self._top_k, 2), dtype=torch.float32, device=self.device)
             for t in config.frame_buckets
         }
-        pin = self.device.type == "cuda"
+        # On CUDA every host <-> device copy goes through pinned buffers allocated here, so that
+        # ``non_blocking`` really is asynchronous and nothing is allocated per step; one stream sync per
+        # step waits for the results (the step's one device-to-host copy).
+        self._cuda = self.device.type == "cuda"
+        pin = self._cuda
         self._host_slots = torch.zeros((max_rows,), dtype=torch.long, pin_memory=pin)
+        self._host_pcm = (
+            {t: torch.zeros(buffer.shape, dtype=dtype, pin_memory=True) for t, buffer in self._pcm.items()}
+            if pin
+            else {}
+        )
+        self._host_out = (
+            {t: torch.zeros(buffer.shape, dtype=torch.float32, pin_memory=True) for t, buffer in self._out.items()}
+            if pin
+            else {}
+        )
         self._direct = config.direct_state and hasattr(model, "step_slots")
         self._graphs = None
         if config.graph_mode is GraphMode.GRAPHS:
@@ -129,14 +143,28 @@ class Runner:
         host_slots[rows:] = self.slab.scratch_slot
         self._slots[:bucket].copy_(host_slots, non_blocking=True)
         pcm = self._pcm[frames_per_step]
-        pcm[:rows].copy_(torch.as_tensor(frames), non_blocking=True)
+        frames = torch.as_tensor(frames)
+        if self._cuda and frames.device.type == "cpu":
+            staged = self._host_pcm[frames_per_step][:rows]
+            staged.copy_(frames)
+            frames = staged
+        pcm[:rows].copy_(frames, non_blocking=True)
         pcm[rows:bucket].zero_()
         key = (bucket, frames_per_step)
         with torch.no_grad():
-            logits = self._graphs.replay(key) if self._graphs is not None else self._step(bucket, frames_per_step)
+            if self._graphs is not None and key in self._graphs:
+                logits = self._graphs.replay(key)
+            else:
+                logits = self._step(bucket, frames_per_step)
         # The one device-to-host copy of the step.
-        out = self._out[frames_per_step][:rows].to("cpu", copy=True)
-        result = StepResult(ids=out[..., 0].to(torch.int32).numpy(), logprobs=out[..., 1].numpy())
+        if self._cuda:
+            out = self._host_out[frames_per_step][:rows]
+            out.copy_(self._out[frames_per_step][:rows], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            out = self._out[frames_per_step][:rows]
+        # Copies: the buffers are overwritten by the next step.
+        result = StepResult(ids=out[..., 0].to(torch.int32).numpy(), logprobs=out[..., 1].clone().numpy())
         if return_logits:
             result.logits = logits[:rows].clone()
         return result
