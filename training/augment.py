@@ -207,27 +207,34 @@ def warped_mel_bases(
     nyquist_hz: float = SAMPLE_RATE / 2,
 ) -> torch.Tensor:
     """Mel filterbanks ``[B, bins, n_mels]`` over the spectrum bins at ``bin_hz [bins]``, warped by ``alphas
-    [B]`` (VTLP).
+    [B]`` (VTLP), computed on the host (the warps come from the data loader there: no device sync).
 
     Filter ``k`` of utterance ``b`` weighs bin frequency ``g`` by the unwarped filter's weight at
     ``warp(g)``, with ``warp(g) = alpha * g`` up to ``f_hi * min(alpha, 1) / alpha`` and then linear to the
     Nyquist frequency, which stays put: a formant at ``f`` reads as one at ``alpha * f``. ``alpha = 1``
     gives the model's own filterbank."""
-    g = bin_hz.double()[None, :]
+    g = bin_hz.detach().double().cpu()[None, :]
     a = alphas.detach().double().cpu()[:, None]
     knee = f_hi_hz * torch.clamp(a, max=1.0) / a
     above = a * knee + (nyquist_hz - a * knee) * (g - knee) / (nyquist_hz - knee)
     warped = torch.where(g <= knee, a * g, above)
-    return mel_weights(warped, n_mels, f_min_hz, f_max_hz).float().to(alphas.device)
+    return mel_weights(warped, n_mels, f_min_hz, f_max_hz).float()
 
 
 def warped_log_mel(model, pcm: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
-    """``model.log_mel(pcm)`` with utterance ``b``'s spectrum warped by ``alphas[b]`` before the mel filters."""
+    """``model.log_mel(pcm)`` with utterance ``b``'s spectrum warped by ``alphas[b]`` before the mel filters.
+
+    Pass ``alphas`` as the host tensor the loader made: the filterbanks are built there and copied to the
+    device without waiting for it (a device tensor would cost a device-to-host sync per step)."""
     c, features = model.config, model.features
     spectrum = model.windows(pcm) @ features.dft_basis
     real, imag = spectrum.split(features.n_used_bins, dim=-1)
     power = real * real + imag * imag
     bin_hz = features.used_bins * (SAMPLE_RATE / c.window_samples)
     bases = warped_mel_bases(alphas, bin_hz, c.n_mels, c.f_min_hz, c.f_max_hz)
+    if pcm.device.type == "cuda":
+        bases = bases.pin_memory().to(pcm.device, non_blocking=True)
+    else:
+        bases = bases.to(pcm.device)
     log_mel = torch.log(torch.bmm(power, bases) + 1e-6)
     return (log_mel - features.shift) * features.scale

@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
                 group["lr"] = lr
             audio = batch["audio"].to(device, non_blocking=True)
             if batch["warp"] is not None:
-                features = warped_log_mel(model, audio, batch["warp"].to(device))
+                features = warped_log_mel(model, audio, batch["warp"])  # host warps: no sync
             else:
                 features = model.log_mel(audio)
             if batch["colour"] is not None:
@@ -714,7 +714,7 @@ def main(argv: list[str] | None = None) -> None:
             batch_index += 1
             audio_seen += batch["seconds"]
             train_seconds += time.time() - t0
-            loss_sum += loss.item()
+            loss_sum += loss.detach()  # a device tensor: read (one sync) only when logged
             loss_n += 1
             if step % args.log_every == 0:
                 log(
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
                         "event": "train",
                         "step": step,
                         "epoch": epoch,
-                        "loss": round(loss_sum / loss_n, 4),
+                        "loss": round(float(loss_sum) / loss_n, 4),
                         "lr": round(opt.param_groups[0]["lr"], 6),
                         "audio_hours": round(audio_seen / 3600, 2),
                         "step_s": round((time.time() - t_interval) / loss_n, 3),
