@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -37,19 +38,29 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def cpu_seconds(root: int) -> float:
-    """User + system CPU of ``root`` and all its descendants (live ones)."""
+def cpu_by_process(root: int) -> dict[str, float]:
+    """User + system CPU seconds of ``root`` and each live descendant, by process name (``cs-engine``,
+    ``cs-frontend-1``, ...: the names ``cosystream serve`` gives them; others by name and pid)."""
     tree = _children()
-    total, stack = 0.0, [root]
+    seconds: dict[str, float] = {}
+    stack = [root]
     while stack:
         pid = stack.pop()
         stack.extend(tree.get(pid, []))
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    return total
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        key = name if name.startswith("cs-") else f"{name}-{pid}"
+        seconds[key] = seconds.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return seconds
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU of ``root`` and all its descendants (live ones)."""
+    return sum(cpu_by_process(root).values())
 
 
 class Server:
@@ -86,7 +97,7 @@ class Server:
     def __enter__(self) -> Server:
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # CUDA graphs for every bucket are captured before the port opens
         while time.monotonic() < deadline:
             with socket.socket() as s:  # the gRPC port opens once the engine is warm
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
@@ -122,16 +133,30 @@ def probe_command(server: Server, json_path: str, *args: str) -> list[str]:
 
 def probe(server: Server, *args: str) -> tuple[dict, float]:
     """Run the latency probe in its own process; returns its JSON and the server's CPU seconds meanwhile."""
+    result, cpu = probe_cpu(server, *args)
+    return result, sum(v for k, v in cpu.items() if k != "probe")
+
+
+def probe_cpu(server: Server, *args: str) -> tuple[dict, dict[str, float]]:
+    """Like :func:`probe`, with the CPU seconds meanwhile of each server process by name, and the probe's
+    own (all its processes) as ``probe``."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        before = cpu_seconds(server.process.pid)
+        before = cpu_by_process(server.process.pid)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(
             probe_command(server, out.name, *args),
             check=True,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            },
         )
-        cpu = cpu_seconds(server.process.pid) - before
+        after = cpu_by_process(server.process.pid)
+        done = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
+        cpu["probe"] = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
         return json.loads(Path(out.name).read_text()), cpu
 
 

@@ -10,6 +10,8 @@ largest passing count is the capacity. Prints JSON and a table.
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders greedy beam   # decoding's cost
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders beam:16 beam:64  # beam widths
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --models DIR_A DIR_B     # two models
+    python -m benchmarks.capacity --modes engine --device cuda --frontends 8 --probe-processes 6 \
+        --wav speech.wav --counts 200 400 800                  # a GPU box (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -18,23 +20,35 @@ import argparse
 import math
 import sys
 
-from benchmarks._harness import Server, dump, p, probe
+from benchmarks._harness import Server, dump, p, probe_cpu
 
 DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": [2, 4, 6, 8, 10, 12, 16, 20, 30]}
 P99_LIMIT_MS = 20.0
 
 
 def measure(
-    mode: str, chunk_ms: int, counts: list[int], duration_s: float, frontends: int, decoder: str, model: str | None
+    mode: str,
+    chunk_ms: int,
+    counts: list[int],
+    duration_s: float,
+    frontends: int,
+    decoder: str,
+    model: str | None,
+    device: str = "auto",
+    wavs: list[str] | None = None,
+    probe_processes: int = 1,
 ) -> dict:
     extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends)]
     extra += ["--model", model] if model else []
     kind, _, beam_size = decoder.partition(":")
     extra += ["--beam-size", beam_size] if beam_size else []
+    probe_extra = ["--processes", str(probe_processes)] + (["--wav", *wavs] if wavs else [])
     runs = []
-    with Server("--max-sessions", str(max(counts) + 8), "--decoder", kind, *extra) as server:
+    with Server("--max-sessions", str(max(counts) + 8), "--decoder", kind, "--device", device, *extra) as server:
+        # Unmeasured: the frontends spawned after the port opened finish starting, every path is warm.
+        probe_cpu(server, "--realtime", str(min(4, counts[0])), "--duration", "1", "--ramp-s", "0", *probe_extra)
         for count in counts:
-            result, cpu_s = probe(
+            result, cpu = probe_cpu(
                 server,
                 "--realtime",
                 str(count),
@@ -44,7 +58,9 @@ def measure(
                 str(duration_s),
                 "--ramp-s",
                 "1",
+                *probe_extra,
             )
+            cpu_s = sum(v for k, v in cpu.items() if k != "probe")
             rt = result["classes"]["realtime"]
             run = {
                 "streams": count,
@@ -57,6 +73,12 @@ def measure(
                 "server_cpu_ms_per_audio_s": 1e3 * cpu_s / rt["audio_seconds"]
                 if rt["audio_seconds"]
                 else math.nan,
+                # Per process (cs-engine, cs-supervisor: frontend 0, cs-frontend-N, the probe's own), ms of
+                # CPU per second of audio streamed.
+                "cpu_ms_per_audio_s": {
+                    name: round(1e3 * seconds / rt["audio_seconds"], 3) if rt["audio_seconds"] else math.nan
+                    for name, seconds in sorted(cpu.items())
+                },
             }
             run["passed"] = run["p99_ms"] <= P99_LIMIT_MS and run["deadline_misses"] == 0 and run["errors"] == 0
             runs.append(run)
@@ -78,6 +100,28 @@ def measure(
     }
 
 
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for result in results:
+        streams = [run["streams"] for run in result["runs"]]
+        label = f"{result['mode']} {result['chunk_ms']} ms {result['decoder']}"
+        ax.plot(streams, [run["p99_ms"] for run in result["runs"]], marker="o", label=f"{label} p99")
+        ax.plot(streams, [run["p50_ms"] for run in result["runs"]], linestyle="--", label=f"{label} p50")
+    ax.axhline(P99_LIMIT_MS, color="grey", linewidth=0.8)
+    ax.set_xlabel("realtime streams")
+    ax.set_ylabel("chunk -> result latency, ms")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def decoder_spec(text: str) -> str:
     kind, colon, beam_size = text.partition(":")
     if kind not in ("auto", "greedy", "beam") or (colon and (kind != "beam" or not beam_size.isdigit())):
@@ -92,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--counts", type=int, nargs="+", default=None, help="stream counts to try (ascending)")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per run")
     parser.add_argument("--frontends", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="serve --device (auto | cpu | cuda | cuda:N)")
+    parser.add_argument("--wav", nargs="+", default=None, help="WAV files for the probe (default: espeak-ng)")
+    parser.add_argument("--probe-processes", type=int, default=1, help="latency probe processes (--processes)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="p50/p99 against stream count, PNG")
     parser.add_argument(
         "--decoders",
         nargs="+",
@@ -106,7 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = lambda mode: args.counts or DEFAULT_COUNTS[mode]  # noqa: E731
     results = [
-        measure(mode, chunk_ms, counts(mode), args.duration, args.frontends, decoder, model)
+        measure(
+            mode,
+            chunk_ms,
+            counts(mode),
+            args.duration,
+            args.frontends,
+            decoder,
+            model,
+            args.device,
+            args.wav,
+            args.probe_processes,
+        )
         for chunk_ms in args.chunk_ms
         for decoder in args.decoders
         for model in args.models
@@ -124,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"ratio_{chunk_ms}ms_{decoder}" + (f"_{model}" if len(args.models) > 1 else "")
                     summary[name] = by_mode.get("engine", 0) / by_mode["naive"]
     dump(summary, args.json)
+    if args.plot:
+        plot(results, args.plot)
     print(
         f"\n{'model':>10} {'mode':>6} {'decoder':>7} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8}"
         f" {'misses':>7} {'cpu ms/s':>9}  pass"

@@ -95,6 +95,15 @@ def read_wav(path: Path | str) -> tuple[np.ndarray, int]:
         return data.reshape(-1, w.getnchannels()).mean(axis=1), w.getframerate()
 
 
+def write_wav(path: Path | str, samples: np.ndarray, rate_hz: int = 16000) -> None:
+    """16-bit mono PCM."""
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate_hz)
+        w.writeframes((np.clip(samples, -1, 1 - 1 / 32768) * 32768).astype("<i2").tobytes())
+
+
 def load_wavs(paths: list[str]) -> Audio:
     """WAV files back to back; their speech spans from a simple energy detector."""
     import soxr
@@ -279,6 +288,30 @@ async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats
     return [s.stats for s in realtime + batch]
 
 
+def _probe_worker(args: argparse.Namespace, audio: Audio) -> list[SessionStats]:
+    return asyncio.run(run_probe(args, audio))
+
+
+def run_probe_processes(args: argparse.Namespace, audio: Audio) -> list[SessionStats]:
+    """``--processes N``: the sessions split over N probe processes (one asyncio loop saturates a core
+    near 200 paced streams), their per-session figures merged."""
+    import concurrent.futures
+    import multiprocessing
+
+    n = args.processes
+    shares = [
+        argparse.Namespace(
+            **{**vars(args), "realtime": args.realtime // n + (i < args.realtime % n)}
+            | {"batch": args.batch // n + (i < args.batch % n)}
+        )
+        for i in range(n)
+    ]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=context) as pool:
+        parts = list(pool.map(_probe_worker, shares, [audio] * n))
+    return [stats for part in parts for stats in part]
+
+
 def _merge(total: SessionStats, more: SessionStats) -> SessionStats:
     for name in METRICS:
         getattr(total, name).extend(getattr(more, name))
@@ -393,6 +426,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=int, default=16000)
     parser.add_argument("--wav", nargs="*", help="WAV files to stream (default: synthesized speech)")
     parser.add_argument("--channels", type=int, default=4, help="gRPC channels (connections) to spread over")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="probe processes to split the sessions over (each its own core)"
+    )
+    parser.add_argument(
+        "--save-wav", default=None, help="write the synthesized speech to this WAV file and exit (for --wav)"
+    )
     parser.add_argument("--metrics-url", default=None, help="the server's /metrics, for deadline misses")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="CDF plot (PNG)")
@@ -402,14 +441,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.processes < 1:
+        sys.exit("latency_probe: --processes must be >= 1")
     audio = load_wavs(args.wav) if args.wav else synthesize()
+    if args.save_wav:
+        write_wav(args.save_wav, audio.samples)
+        return 0
     misses_before = deadline_misses(args.metrics_url)
     try:
-        stats = asyncio.run(run_probe(args, audio))
+        probe = run_probe_processes if args.processes > 1 else _probe_worker
+        stats = probe(args, audio)
     except KeyboardInterrupt:
         return 130
     misses = None if misses_before is None else deadline_misses(args.metrics_url) - misses_before
-    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "compare", "wav")}
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "compare", "wav", "save_wav")}
     result = report(stats, config, misses)
     other = json.loads(Path(args.compare).read_text()) if args.compare else None
     if args.json:

@@ -15,7 +15,7 @@ import shutil
 import signal
 from dataclasses import replace
 
-from cosystream.engine.process import EngineProcessConfig, exit_with_parent, start_engine
+from cosystream.engine.process import EngineProcessConfig, exit_with_parent, set_process_name, start_engine
 from cosystream.logs import configure as configure_logs
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.server.frontend import Frontend, FrontendConfig
@@ -23,9 +23,12 @@ from cosystream.server.frontend import Frontend, FrontendConfig
 log = logging.getLogger(__name__)
 
 
-def frontend_main(config: FrontendConfig, address: str, authkey: bytes, log_level: str, log_format: str) -> None:
+def frontend_main(
+    config: FrontendConfig, address: str, authkey: bytes, log_level: str, log_format: str, index: int = 1
+) -> None:
     """Entry point of a spawned frontend process."""
     exit_with_parent()
+    set_process_name(f"cs-frontend-{index}")
     configure_logs(log_level, log_format)
 
     async def run() -> None:
@@ -65,6 +68,7 @@ class Supervisor:
             serve_metrics(self.metrics_port)
 
     def run(self) -> int:
+        set_process_name("cs-supervisor")  # it also runs frontend 0
         if self.naive:
             return asyncio.run(self._serve_naive())
         engine = start_engine(self.process)
@@ -127,6 +131,7 @@ class Supervisor:
                     self.process.authkey,
                     self.process.log_level,
                     self.process.log_format,
+                    index,
                 ),
                 name=f"cosystream-frontend-{index}",
             )
