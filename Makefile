@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins \
 	baresip-core gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good
 
-.PHONY: serve test lint protos install install-dev system-deps clean
+.PHONY: serve test lint protos install install-dev system-deps gpu-rehearsal clean
 
 serve: install
 	$(VENV)/bin/cosystream serve $(ARGS)
@@ -19,6 +19,10 @@ lint: install-dev
 	$(VENV)/bin/ruff check cosystream tests benchmarks clients scripts training
 	$(VENV)/bin/ruff format --check cosystream tests benchmarks clients scripts training
 	$(PY) scripts/gen_protos.py --check
+
+# The GPU scripts run on this CPU machine as the GPU machine would run them (docs/GPU.md).
+gpu-rehearsal: install-dev system-deps
+	bash benchmarks/gpu_rehearsal.sh
 
 protos: install-dev
 	$(PY) scripts/gen_protos.py

@@ -1,46 +1,116 @@
 #!/usr/bin/env bash
-# The GPU check, in one call on a CUDA machine, from the repository root:
-#   bash benchmarks/gpu_check.sh            # writes $OUT (default ./gpu-check) with gpu_check.json
-# Runs the GPU tests (graph replay == eager, no capture after start-up) and the model/runtime tests on
-# that machine, then the step benchmark on CUDA with graphs vs eager up to 4096 sessions.
-# Needs only torch, numpy, safetensors and pytest (the server's packages are not imported).
+# The GPU check: one call on a CUDA machine, from the repository root, with .gpu carried (scripts/gpu_carry.sh):
+#   bash benchmarks/gpu_check.sh        # writes $OUT (default ./gpu-check): gpu_check.json (the summary),
+#                                       # step.json, capacity.json, capacity.png, tests.xml, logs.tar.gz
+# Stages, each under its own time limit, the JSON rewritten after each (a call cut short still brings back
+# what finished):
+#   tests     the GPU tests (graph replay == eager, no capture after start-up) and the model/runtime tests
+#   step      benchmarks/step.py on CUDA: eager vs CUDA graphs up to 4096 sessions, TF32 vs float32
+#   capacity  benchmarks/capacity.py end to end on this box: the engine on the GPU, frontends and the latency
+#             probe on its cores, fed the carried WAV (no espeak-ng there); realtime streams at p99 <= 20 ms
+#             for 10 ms and 20 ms chunks, and CPU per audio-second of each process
+# Exit status: 0 only if every stage passed. docs/GPU.md says how long each takes and what came back.
+#
+# GPU_REHEARSAL=1 runs every stage on the CPU at toy sizes (benchmarks/gpu_rehearsal.sh does, in CI), so an
+# import or a path error shows here, not on the GPU; it ends with "no CUDA here". CAPACITY_COUNTS,
+# FRONTENDS and PROBE_PROCESSES override the capacity stage's sizes.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/gpu-check}
+LOGS=$(mktemp -d)  # device.txt and each stage's log, packed into $OUT/logs.tar.gz (a call brings back 8 files)
 mkdir -p "$OUT"
-export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source scripts/gpu_env.sh
+gpu_env torch numpy safetensors pytest grpc grpc_health.v1 grpc_reflection.v1alpha soxr webrtcvad \
+  prometheus_client matplotlib cosystream.server.servicer || exit 1
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/device.txt" 2>&1
-"$PY" -m pytest -q -p no:cacheprovider tests/test_runtime.py tests/test_model_streaming.py \
-  --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
-tests_rc=${PIPESTATUS[0]}
-"$PY" benchmarks/step.py --device cuda --max-batch 4096 --frames 1 4 16 --iterations 30 \
-  --json "$OUT/step_cuda.json" 2>&1 | tee "$OUT/step_cuda.log"
-bench_rc=${PIPESTATUS[0]}
+if [ "$CUDA" = 1 ]; then
+  DEVICE=cuda MAX_BATCH=4096 ITERATIONS=30 DURATION=5 TEST_S=180 STEP_S=200 CAPACITY_S=260
+  COUNTS=${CAPACITY_COUNTS:-200 400 800 1200 1600 2000}
+  FRONTENDS=${FRONTENDS:-8} PROBE_PROCESSES=${PROBE_PROCESSES:-6}
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$LOGS/device.txt" 2>&1
+elif [ "${GPU_REHEARSAL:-0}" = 1 ]; then
+  DEVICE=cpu MAX_BATCH=4 ITERATIONS=2 DURATION=1.5 TEST_S=300 STEP_S=120 CAPACITY_S=120
+  COUNTS=${CAPACITY_COUNTS:-2} FRONTENDS=${FRONTENDS:-2} PROBE_PROCESSES=${PROBE_PROCESSES:-2}
+  echo "rehearsal (no CUDA): cpu" > "$LOGS/device.txt"
+else
+  echo "gpu_check: no CUDA device here (torch $("$PY" -c 'import torch; print(torch.__version__)')); GPU_REHEARSAL=1 rehearses on the CPU" >&2
+  exit 1
+fi
 
-"$PY" - "$OUT" "$tests_rc" "$bench_rc" <<'PY'
+declare -A RC=()
+summarise() {
+  local args=()
+  for stage in "${!RC[@]}"; do args+=("$stage=${RC[$stage]}"); done
+  "$PY" - "$OUT" "$LOGS" "${args[@]}" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
-out, tests_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-suite = ET.parse(out / "tests.xml").getroot()
-suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-step = json.loads((out / "step_cuda.json").read_text()) if (out / "step_cuda.json").exists() else None
-result = {
-    "device": (out / "device.txt").read_text().strip(),
-    "tests": {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {"exit_code": tests_rc},
-    "benchmark_exit_code": bench_rc,
-    "step": step,
-}
+out, logs = Path(sys.argv[1]), Path(sys.argv[2])
+rcs = dict(arg.split("=") for arg in sys.argv[3:])
+def load(name):
+    path = out / name
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:
+        return None
+result = {"device": (logs / "device.txt").read_text().strip(), "exit_codes": {k: int(v) for k, v in rcs.items()}}
+if (out / "tests.xml").exists():
+    suite = ET.parse(out / "tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    result["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+step = load("step.json")
 if step:
-    result["targets"] = {
-        "graph_vs_eager_at_batch_le_64": {
-            f"b{g['batch']}_t{g['frames']}": round(g["speedup"], 2)
-            for g in step["graph_speedup"] if g["batch"] <= 64
-        },
+    result["step_summary"] = {
+        "eager_b64_t1_p50_ms": next((r["p50_ms"] for r in step["eager"] if (r["batch"], r["frames"]) == (64, 1)), None),
+        "graph_speedup": {f"b{g['batch']}_t{g['frames']}": round(g["speedup"], 2) for g in step.get("graph_speedup", [])},
         "b4096_t1_graph_p50_ms": next(
-            (g["p50_ms"] for g in step["graphs"] if g["batch"] == 4096 and g["frames"] == 1), None
+            (g["p50_ms"] for g in step.get("graphs", []) if (g["batch"], g["frames"]) == (4096, 1)), None
         ),
+        "tf32": step.get("tf32"),
     }
+capacity = load("capacity.json")
+if capacity:
+    result["capacity"] = {
+        f"{r['chunk_ms']}ms": {
+            "streams_at_p99_le_20ms": r["capacity"],
+            "runs": [
+                {k: run[k] for k in ("streams", "p50_ms", "p99_ms", "deadline_misses", "errors", "cpu_ms_per_audio_s")}
+                for run in r["runs"]
+            ],
+        }
+        for r in capacity["results"]
+    }
+result["passed"] = all(int(v) == 0 for v in rcs.values())
 (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
-print(json.dumps({k: v for k, v in result.items() if k != "step"}, indent=2))
 PY
+  tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+}
+
+stage() {  # NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, record its status
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (at most ${seconds} s)"
+  local started=$SECONDS
+  timeout --kill-after=10 "$seconds" "$@" > "$LOGS/$name.log" 2>&1
+  RC[$name]=$?
+  tail -n 12 "$LOGS/$name.log"
+  echo "== $name: exit ${RC[$name]} after $((SECONDS - started)) s"
+  summarise
+}
+
+summarise
+stage tests "$TEST_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime.py tests/test_model_streaming.py \
+  --junitxml="$OUT/tests.xml"
+stage step "$STEP_S" "$PY" benchmarks/step.py --device "$DEVICE" --max-batch "$MAX_BATCH" --frames 1 4 16 \
+  --iterations "$ITERATIONS" --json "$OUT/step.json"
+# shellcheck disable=SC2086  # COUNTS is a list
+stage capacity "$CAPACITY_S" "$PY" -m benchmarks.capacity --modes engine --device "$DEVICE" --chunk-ms 10 20 \
+  --counts $COUNTS --duration "$DURATION" --frontends "$FRONTENDS" --probe-processes "$PROBE_PROCESSES" \
+  --wav "$CARRY"/wav/*.wav --json "$OUT/capacity.json" --plot "$OUT/capacity.png"
+cat "$OUT/gpu_check.json"
+
+failed=0
+for name in "${!RC[@]}"; do [ "${RC[$name]}" = 0 ] || failed=1; done
+if [ "$CUDA" != 1 ]; then
+  [ "$failed" = 0 ] && echo "gpu_check rehearsal passed: every stage ran on the CPU; no CUDA here, so no GPU figures"
+fi
+exit "$failed"

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from cosystream.engine.process import use_device
 from cosystream.models import FRAME_SAMPLES, load_model
 from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
 from cosystream.runtime.slab import StateSlab
@@ -91,6 +92,34 @@ def bench_runner(runner: Runner, batches: list[int], frame_counts: list[int], it
     return rows
 
 
+def bench_tf32(model, max_batch: int, device: torch.device, iterations: int) -> list[dict]:
+    """The engine steps in full float32; what TF32 matmuls would gain, and how far their logits move (relative
+    to the largest logit; the streaming tolerance is 1e-4)."""
+    rows = []
+    for batch in sorted({b for b in (64, 1024, max_batch) if b <= max_batch}):
+        pcm = (np.random.default_rng(2).standard_normal((batch, FRAME_SAMPLES)) * 0.1).astype(np.float32)
+        timings, logits = {}, {}
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            runner = build_runner(model, batch, GraphMode.GRAPHS, device, direct=True)
+            logits[tf32] = runner.run(list(range(batch)), pcm, return_logits=True).logits.float()
+            timings[tf32] = bench_runner(runner, [batch], [1], iterations)[0]["p50_ms"]
+            del runner
+        torch.backends.cuda.matmul.allow_tf32 = False
+        scale = max(1.0, logits[False].abs().max().item())
+        rows.append(
+            {
+                "batch": batch,
+                "frames": 1,
+                "fp32_p50_ms": timings[False],
+                "tf32_p50_ms": timings[True],
+                "speedup": timings[False] / timings[True],
+                "max_rel_diff": (logits[True] - logits[False]).abs().max().item() / scale,
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -104,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    use_device(device)  # as the engine runs it: the current CUDA device, full float32
     model = load_model(args.model, device=device)
     batches = [b for b in batch_buckets(args.max_batch)]
     result: dict = {
@@ -145,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 {"batch": g["batch"], "frames": g["frames"], "speedup": e["p50_ms"] / g["p50_ms"]}
                 for g, e in zip(result["graphs"], result["eager"], strict=True)
             ]
+            result["tf32"] = bench_tf32(model, args.max_batch, device, args.iterations)
     best = max(result["eager"] + result.get("graphs", []), key=lambda r: r["batch"] * r["frames"] / r["p50_ms"])
     result["achieved_gflops"] = result["flops_per_frame"] * best["batch"] * best["frames"] / best["p50_ms"] / 1e6
     print(json.dumps(result, indent=2))
@@ -175,6 +206,11 @@ def print_table(result: dict) -> None:
         if g:
             line += f" {g['p50_ms']:>10.3f} {row['p50_ms'] / g['p50_ms']:>8.1f}"
         out.write(line + "\n")
+    for row in result.get("tf32", []):
+        out.write(
+            f"TF32 at batch {row['batch']}: {row['tf32_p50_ms']:.3f} ms vs {row['fp32_p50_ms']:.3f} ms in float32"
+            f" ({row['speedup']:.2f}x), logits moved by {row['max_rel_diff']:.1e} of the largest\n"
+        )
     loop = result["per_session_loop"]
     gs = result["gather_scatter_b64"]
     out.write(
