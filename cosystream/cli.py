@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -100,8 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most of the engine's time BATCH work may use (default: 0.5 on CPU, where frontends share the cores; 1 on CUDA)",
     )
-    serve.add_argument("--idle-timeout-s", type=float, default=30.0)
-    serve.add_argument("--drain-grace-s", type=float, default=10.0)
+    serve.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=30.0,
+        help="a stream with no request for this long gets the final for what was heard, then DEADLINE_EXCEEDED",
+    )
+    serve.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=20.0,
+        help="on SIGTERM, open streams are served this long before they are cut (their final, then "
+        "UNAVAILABLE); with up to 6 s more to stop, it fits Kubernetes' default 30 s grace period",
+    )
+    serve.add_argument(
+        "--max-failures",
+        type=int,
+        default=5,
+        help="the engine or a frontend dying this many times within --restart-window-s ends serve (exit 1)",
+    )
+    serve.add_argument("--restart-window-s", type=float, default=60.0)
     serve.add_argument("--silence-ms", type=int, default=500, help="default end-of-utterance silence")
     serve.add_argument("--max-utterance-ms", type=int, default=15000)
     serve.add_argument(
@@ -152,20 +171,30 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     if args.frontends < 1:
         sys.exit("--frontends must be >= 1")
+    if args.model is not None and not os.path.isdir(args.model):
+        sys.exit(f"cosystream serve: --model {args.model}: no such directory (a model directory: docs/MODELS.md)")
     run_dir = tempfile.mkdtemp(prefix="cosystream-")
+    try:
+        return _serve(args, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # (the metrics folder too, whatever the exit)
+
+
+def _serve(args: argparse.Namespace, run_dir: str) -> int:
     # Must be set before any process imports prometheus_client (cosystream.metrics).
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", os.path.join(run_dir, "metrics"))
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
     from cosystream.engine.core import EngineConfig
-    from cosystream.engine.process import EngineProcessConfig
+    from cosystream.engine.process import EngineProcessConfig, resolve_device
     from cosystream.runtime.runner import GraphMode
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.servicer import StreamOptions
-    from cosystream.server.supervisor import Supervisor
+    from cosystream.server.supervisor import RestartPolicy, ServeError, Supervisor
     from cosystream.server.vad import EndpointingConfig
 
     try:
+        resolve_device(args.device)  # --device cuda without CUDA: say so now, not from the engine
         endpointing = EndpointingConfig(silence_ms=args.silence_ms, max_utterance_ms=args.max_utterance_ms)
         engine = EngineConfig(
             max_sessions=args.max_sessions,
@@ -200,7 +229,17 @@ def serve(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout_s, default_endpointing=endpointing, frontends=args.frontends
         ),
     )
-    supervisor = Supervisor(process, frontend, args.frontends, args.metrics_port, run_dir, naive=args.naive)
+    if args.max_failures < 1:
+        sys.exit("cosystream serve: --max-failures must be >= 1")
+    supervisor = Supervisor(
+        process,
+        frontend,
+        args.frontends,
+        args.metrics_port,
+        run_dir,
+        naive=args.naive,
+        restarts=RestartPolicy(max_failures=args.max_failures, window_s=args.restart_window_s),
+    )
     try:
         check_port_free(args.host, args.port)
     except OSError as err:
@@ -214,7 +253,10 @@ def serve(args: argparse.Namespace) -> int:
             f"cosystream serve: cannot serve metrics on port {args.metrics_port}: {err.strerror or err} "
             "(--metrics-port picks another, 0 turns metrics off)"
         )
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    except ServeError as err:
+        sys.exit(f"cosystream serve: {err}")
 
 
 if __name__ == "__main__":

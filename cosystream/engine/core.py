@@ -88,6 +88,7 @@ class EngineCore:
         self._priority: list[Priority] = [Priority.REALTIME] * config.max_sessions
         self._slot_of: dict[tuple[int, int], int] = {}
         self._outbox: dict[int, ipc.ToFrontend] = {}
+        self._listening: set[int] = set()  # frontends whose gRPC port is open
         self._offsets = np.arange(max(config.frame_buckets))
 
     # --- frontend messages -----------------------------------------------------------------------
@@ -109,6 +110,8 @@ class EngineCore:
                 if slot is not None:
                     self._release(slot)
                     self.scheduler.remove(slot)
+            elif kind == ipc.LISTENING:
+                self._listening.add(frontend)
         start = 0
         for key, count in zip(keys, counts, strict=True):
             slot = self._slot_of.get((frontend, key))
@@ -118,6 +121,7 @@ class EngineCore:
 
     def disconnect(self, frontend: int) -> None:
         """A frontend went away: free every slot it held."""
+        self._listening.discard(frontend)
         for (owner, key), slot in list(self._slot_of.items()):
             if owner == frontend:
                 del self._slot_of[(owner, key)]
@@ -211,6 +215,11 @@ class EngineCore:
     def session_count(self) -> int:
         """Sessions holding a slot, from every frontend."""
         return len(self._slot_of)
+
+    @property
+    def listening_frontends(self) -> int:
+        """Frontends connected whose gRPC port is open."""
+        return len(self._listening)
 
     def post(self, frontend: int, event: tuple) -> None:
         """Queue an event for ``frontend`` in its next message."""

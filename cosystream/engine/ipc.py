@@ -24,13 +24,15 @@ from cosystream.models.contract import FRAME_SAMPLES
 OPEN = 0  # (OPEN, key, priority)
 RESET = 1  # (RESET, key): zero the session's model state; sent only when none of its frames is in flight
 CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
+LISTENING = 3  # (LISTENING, 0): this frontend's gRPC port is open (the server is SERVING once all are)
 
 # Events, engine -> frontend.
 HELLO = 10  # (HELLO, info: dict): the engine is warm; sent once per frontend
 OPENED = 11  # (OPENED, key)
 REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
 SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
-ACTIVE = 14  # (ACTIVE, sessions): slots held on the engine, all frontends; sent to every frontend on change
+ACTIVE = 14  # (ACTIVE, sessions, listening): slots held on the engine, all frontends, and how many
+#   frontends are connected and listening; sent to every frontend when either changes
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,11 +76,58 @@ def use_device(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def start_engine(config: EngineProcessConfig) -> mp.Process:
-    """Spawn the engine process; frontends then connect to ``config.address``."""
-    process = mp.get_context("spawn").Process(target=engine_main, args=(config,), name="cosystream-engine")
+STARTUP_FAILED = 3
+"""The engine process's exit status when it could not start (bad model, no such device, ...): the
+supervisor does not restart it, since the same configuration would fail again."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start; the message says why, in one line."""
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    """A spawned engine process and the pipe on which it reports ``ready``, or why it failed."""
+
+    process: mp.Process
+    status: Connection
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once the engine is ready; False if it is still starting after ``timeout_s``. Raises
+        :class:`EngineStartError` if it failed or died first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.status.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+                try:
+                    kind, detail = self.status.recv()
+                except (EOFError, OSError):
+                    kind, detail = "failed", None
+                if kind == "ready":
+                    return True
+                self.process.join(5)
+                raise EngineStartError(detail or f"the engine process exited (exit code {self.process.exitcode})")
+            if not self.process.is_alive():
+                raise EngineStartError(
+                    f"the engine process exited during start-up (exit code {self.process.exitcode})"
+                )
+            if time.monotonic() >= deadline:
+                return False
+
+
+def start_engine(config: EngineProcessConfig) -> EngineHandle:
+    """Spawn the engine process; frontends then connect to ``config.address`` (once it says ``ready``)."""
+    context = mp.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=engine_main, args=(config, writer), name="cosystream-engine")
     process.start()
-    return process
+    writer.close()
+    return EngineHandle(process, reader)
+
+
+def describe_error(err: BaseException) -> str:
+    """One line: the error's own message, or its type when it has none."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return text or type(err).__name__
 
 
 def exit_with_parent() -> None:
@@ -107,7 +155,7 @@ def raise_priority(increment: int = -5) -> None:
         log.debug("cannot raise the engine's priority")
 
 
-def engine_main(config: EngineProcessConfig) -> None:
+def engine_main(config: EngineProcessConfig, status: Connection) -> None:
     exit_with_parent()
     set_process_name("cs-engine")
     raise_priority()
@@ -116,10 +164,30 @@ def engine_main(config: EngineProcessConfig) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        run_engine(config, stop)
+        config, core, listener = prepare_engine(config)
+    except Exception as err:
+        # One line, said by the supervisor; the traceback only at DEBUG.
+        log.debug("engine start-up failed", exc_info=True)
+        status.send(("failed", describe_error(err)))
+        sys.exit(STARTUP_FAILED)
+    status.send(("ready", None))
+    status.close()
+    try:
+        run_engine(config, core, listener, stop)
     except Exception:
         log.exception("engine failed")
-        raise
+        sys.exit(1)
+
+
+def prepare_engine(config: EngineProcessConfig) -> tuple[EngineProcessConfig, EngineCore, Listener]:
+    """Everything that can fail at start-up: the decoder settled, the model loaded and warm, the socket
+    bound (a stale socket file of a killed engine is replaced)."""
+    config = dataclasses.replace(config, decoder=config.decoder.resolve(config.model_path))
+    core = build_core(config)
+    if os.path.exists(config.address):
+        os.unlink(config.address)
+    listener = Listener(config.address, family="AF_UNIX", authkey=config.authkey)
+    return config, core, listener
 
 
 def build_core(config: EngineProcessConfig) -> EngineCore:
@@ -179,19 +247,16 @@ def server_info(
     }
 
 
-def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
-    config = dataclasses.replace(config, decoder=config.decoder.resolve(config.model_path))
-    core = build_core(config)
+def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener, stop: threading.Event) -> None:
     info = server_info(
         core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode, config.decoder
     )
     incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
-    listener = Listener(config.address, family="AF_UNIX", authkey=config.authkey)
     threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()
     frontends: dict[Connection, int] = {}
     next_id = 0
     last_metrics = 0.0
-    announced = -1  # the session count frontends were last told
+    announced = None  # (sessions, listening frontends) as frontends were last told
     last_stats = time.monotonic()
     logged = dataclasses.replace(core.scheduler.stats)
     try:
@@ -201,7 +266,7 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
                 conn.send(ipc.ToFrontend(events=[(ipc.HELLO, info)]).pack())
                 frontends[conn] = next_id
                 next_id += 1
-                announced = -1  # the new frontend learns the session count
+                announced = None  # the new frontend learns the counts
             ready = wait(list(frontends), timeout=core.wait_s(IDLE_WAIT_S)) if frontends else []
             if not frontends:
                 time.sleep(IDLE_WAIT_S)
@@ -214,10 +279,11 @@ def run_engine(config: EngineProcessConfig, stop: threading.Event) -> None:
                     continue
                 core.handle(frontends[conn], message)
             core.step()
-            if frontends and core.session_count != announced:
-                announced = core.session_count
+            counts = (core.session_count, core.listening_frontends)
+            if frontends and counts != announced:
+                announced = counts
                 for frontend in frontends.values():
-                    core.post(frontend, (ipc.ACTIVE, announced))
+                    core.post(frontend, (ipc.ACTIVE, *counts))
             boxes = core.take_outbox()
             if boxes:
                 by_id = {frontend: conn for conn, frontend in frontends.items()}

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-import time
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Protocol
 
@@ -35,52 +35,98 @@ class SessionSink(Protocol):
     def on_engine_lost(self) -> None: ...
 
 
+CONNECT_RETRY_S = 0.05
+HELLO_TIMEOUT_S = 10.0
+
+
 class EngineClient:
-    def __init__(self, address: str, authkey: bytes):
+    """``connect()`` waits for the engine (it listens once warm). When the connection is lost (the engine
+    died) every session is told, and with ``reconnect`` the client connects again to the restarted engine at
+    the same address; ``on_change`` is called whenever ``connected`` or the counts change."""
+
+    def __init__(self, address: str, authkey: bytes, reconnect: bool = True):
         self.address = address
         self.authkey = authkey
+        self.reconnect = reconnect
         self.info: dict = {}
+        self.on_change: Callable[[], None] | None = None
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sinks: dict[int, SessionSink] = {}
         self._engine_sessions = 0
+        self._listening_frontends = 0
+        self._listening = False  # this frontend's port is open (re-announced on every connection)
         self._next_key = 0
         self._pending = ipc.ToEngine()
         self._flush_scheduled = False
         self._outgoing: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
+        self._reconnecting: asyncio.Task | None = None
+        self._closing = False
         self.connected = False
 
-    async def connect(self, timeout_s: float = 120.0) -> dict:
-        """Connect and wait for the engine's HELLO (sent once it is warm); returns its info."""
+    async def connect(self, timeout_s: float | None = None) -> dict:
+        """Connect and wait for the engine's HELLO; returns its info. Retries while the socket is missing or
+        refuses (the engine is still starting); cancellable at any point, and nothing is left running."""
         self._loop = asyncio.get_running_loop()
-        self._conn = await asyncio.wait_for(
-            self._loop.run_in_executor(None, self._connect_blocking), timeout=timeout_s
-        )
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
-        self._sender = threading.Thread(
-            target=self._send_loop, args=(self._conn,), daemon=True, name="engine-send"
-        )
-        self._sender.start()
-        self.connected = True
-        return self.info
-
-    def _connect_blocking(self, retry_s: float = 0.05) -> Connection:
-        # The engine listens only once it is warm; until then the socket is missing or refuses.
+        deadline = None if timeout_s is None else self._loop.time() + timeout_s
         while True:
             try:
                 conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
                 break
-            except (FileNotFoundError, ConnectionRefusedError):
-                time.sleep(retry_s)
-        events = conn.recv()[0]
-        kind, info = events[0]
-        if kind != ipc.HELLO:
-            raise RuntimeError(f"engine sent {kind} before HELLO")
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, EOFError):
+                if deadline is not None and self._loop.time() >= deadline:
+                    raise TimeoutError(f"no engine at {self.address} after {timeout_s:g} s") from None
+                await asyncio.sleep(CONNECT_RETRY_S)
+        try:
+            hello = await self._readable(conn, HELLO_TIMEOUT_S)
+            kind, info = hello[0][0]
+            if kind != ipc.HELLO:
+                raise RuntimeError(f"engine sent {kind} before HELLO")
+        except BaseException:
+            conn.close()
+            raise
         self.info = info
-        return conn
+        self._conn = conn
+        self._loop.add_reader(conn.fileno(), self._on_readable)
+        self._outgoing = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=self._send_loop, args=(conn, self._outgoing), daemon=True, name="engine-send"
+        )
+        self._sender.start()
+        self.connected = True
+        if self._listening:
+            self._pending.ops.append((ipc.LISTENING, 0))
+            self._schedule_flush()
+        self._changed()
+        return self.info
+
+    async def _readable(self, conn: Connection, timeout_s: float):
+        """The next message on ``conn``, waiting on the event loop (not in a thread)."""
+        ready = asyncio.Event()
+        self._loop.add_reader(conn.fileno(), ready.set)
+        try:
+            await asyncio.wait_for(ready.wait(), timeout_s)
+        finally:
+            self._loop.remove_reader(conn.fileno())
+        return conn.recv()
+
+    def mark_listening(self) -> None:
+        """This frontend's gRPC port is open: the engine counts it towards SERVING."""
+        self._listening = True
+        if self.connected:
+            self._pending.ops.append((ipc.LISTENING, 0))
+            self._schedule_flush()
 
     def close_connection(self) -> None:
+        """Close for good (no reconnect)."""
+        self._closing = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+            self._reconnecting = None
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         if self._sender is not None:
             self._outgoing.put(None)
             self._sender.join(timeout=2.0)
@@ -91,6 +137,15 @@ class EngineClient:
             self._conn.close()
             self._conn = None
         self.connected = False
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    @property
+    def listening_frontends(self) -> int:
+        """Frontends connected to the engine with their port open (as of its last message)."""
+        return self._listening_frontends if self.connected else 0
 
     # --- session calls ---------------------------------------------------------------------------
 
@@ -135,13 +190,13 @@ class EngineClient:
         message, self._pending = self._pending.pack(), ipc.ToEngine()
         self._outgoing.put(message)
 
-    def _send_loop(self, conn: Connection) -> None:
+    def _send_loop(self, conn: Connection, outgoing: queue.SimpleQueue) -> None:
         """The sender thread: messages in order; a failed send hands the loss to the event loop."""
-        while (message := self._outgoing.get()) is not None:
+        while (message := outgoing.get()) is not None:
             try:
                 conn.send(message)
-            except OSError:
-                log.exception("engine connection lost while sending")
+            except OSError as err:
+                log.debug("engine connection lost while sending: %s", err)
                 self._loop.call_soon_threadsafe(self._lost)
                 return
 
@@ -149,12 +204,12 @@ class EngineClient:
         try:
             events, keys, ids, logprobs, queue_s, compute_s = self._conn.recv()
         except (EOFError, OSError):
-            log.error("engine connection closed")
             self._lost()
             return
         for event in events:
             if event[0] == ipc.ACTIVE:
-                self._engine_sessions = event[1]
+                self._engine_sessions, self._listening_frontends = event[1], event[2]
+                self._changed()
                 continue
             sink = self._sinks.get(event[1])
             if sink is None:
@@ -170,8 +225,22 @@ class EngineClient:
                 sink.on_results(row_ids, row_logprobs, q, c)
 
     def _lost(self) -> None:
+        if self._conn is None:
+            return  # (the sender and the reader both saw it)
         sinks, self._sinks = self._sinks, {}
-        self._engine_sessions = 0
-        self.close_connection()
+        self._engine_sessions = self._listening_frontends = 0
+        self._pending = ipc.ToEngine()
+        self._disconnect()
+        self._changed()
         for sink in sinks.values():
             sink.on_engine_lost()
+        if self.reconnect and not self._closing and self._reconnecting is None:
+            self._reconnecting = self._loop.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        log.warning("engine connection lost (its sessions ended UNAVAILABLE); waiting for the engine to restart")
+        try:
+            await self.connect()
+            log.info("engine connection restored")
+        finally:
+            self._reconnecting = None

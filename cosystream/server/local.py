@@ -37,10 +37,19 @@ class LocalServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> LocalServer:
-        self.engine_process = start_engine(self.process_config)
-        self._thread.start()
-        self.frontend = Frontend(self.frontend_config, self.process_config.address, self.process_config.authkey)
-        self.port = self.call(self.frontend.start(), timeout_s)
+        try:
+            self.engine = start_engine(self.process_config)
+            self.engine_process = self.engine.process
+            self.engine.wait_ready(timeout_s)  # raises EngineStartError with the reason
+            self._thread.start()
+            self.frontend = Frontend(
+                self.frontend_config, self.process_config.address, self.process_config.authkey
+            )
+            self.port = self.call(self.frontend.start(), timeout_s)
+            self.call(self.frontend.wait_serving(timeout_s), timeout_s + 1)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def call(self, coroutine, timeout_s: float = 30.0):

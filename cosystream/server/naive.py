@@ -32,6 +32,8 @@ class NaiveEngine:
         self.top_k = min(decoder.top_k, len(self.model.vocabulary))
         self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, decoder)
         self.connected = False
+        self.on_change = None
+        self.listening_frontends = 0
         self._sinks: dict[int, SessionSink] = {}
         self._caches: dict[int, list[torch.Tensor]] = {}
         self._next_key = 0
@@ -44,6 +46,11 @@ class NaiveEngine:
 
     def close_connection(self) -> None:
         self.connected = False
+
+    def mark_listening(self) -> None:
+        self.listening_frontends = 1
+        if self.on_change is not None:
+            self.on_change()
 
     def new_key(self) -> int:
         self._next_key += 1

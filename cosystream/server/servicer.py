@@ -2,7 +2,10 @@
 
 Each bidi stream is an async generator that yields the responses its ``Session`` emits, while a task
 reads the requests. A client half-close flushes the session and ends the stream with OK after the last
-final; a cancel frees the engine slot at once (``finally``).
+final. A stream that the server ends early (idle timeout, the end of a drain's grace) is *cut*: reading
+stops, the audio received is flushed, its final is sent, then the status says why; OK means every byte sent
+was transcribed. The stream's engine slot is owned by one ``try`` whose ``finally`` frees it, entered before
+the first ``await``: a cancel, a rejection or an error at any point frees it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cosystream.metrics import FrontendMetrics
 from cosystream.server.audio import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
 from cosystream.server.decoding import DecoderConfig, DecoderFactory
 from cosystream.server.engine_client import EngineClient
+from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.session import Session, SessionConfig
 from cosystream.server.vad import EndpointingConfig
 from cosystream.v1 import cosystream_pb2 as pb
@@ -30,10 +34,21 @@ from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+CUT_TIMEOUT_S = 10.0
+"""How long a cut stream (idle timeout, drain) may take to deliver its final before it is cancelled."""
+
+AUDIO_SLICE_BYTES = 16_000
+"""A large audio message is processed in slices of this many bytes (0.5 s of 16 kHz LINEAR16) with the event
+loop free between them, so one client's 10 MB chunk delays other sessions by a slice's work (~1-2 ms), not
+the whole message's."""
+
+
 @dataclass(frozen=True, slots=True)
 class StreamOptions:
     idle_timeout_s: float = 30.0
     max_in_flight_frames: int = 128
+    # Responses queued for a client that does not read them, before its requests stop being read.
+    max_queued_responses: int = DEFAULT_MAX_ITEMS
     default_endpointing: EndpointingConfig = field(default_factory=EndpointingConfig)
     frontends: int = 1
 
@@ -87,6 +102,21 @@ class _Abort:
 _DONE = object()
 
 
+class _Refused(Exception):
+    """A stream refused before it has a session: its status, and the metrics' reject reason (None: none)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str | None = "invalid_argument"):
+        super().__init__(message)
+        self.code, self.message, self.reason = code, message, reason
+
+
+def _status_response(session_id: str, code: grpc.StatusCode, message: str) -> pb.StreamingRecognizeResponse:
+    """A stream's error status as its last response (grpcio's asyncio client can lose the status itself)."""
+    return pb.StreamingRecognizeResponse(
+        session_id=session_id, error=pb.StreamError(code=code.value[0], message=message)
+    )
+
+
 class _Stream:
     """The glue between one gRPC stream, its Session and the engine channel."""
 
@@ -96,10 +126,11 @@ class _Stream:
         self.key = self.engine.new_key()
         self.session_id = uuid.uuid4().hex[:16]
         self.priority = config.priority
-        self.responses: asyncio.Queue = asyncio.Queue()
+        self.responses = ResponseQueue(servicer.options.max_queued_responses)
         self.progress = asyncio.Event()
         self.finishing = False
         self.closed = False
+        self.end_status: _Abort | None = None  # a cut stream's status, sent after its final
         metrics = servicer.metrics
         priority_label = config.priority.name.lower()
         self.session = Session(
@@ -108,13 +139,15 @@ class _Stream:
             config,
             servicer.decoders(),
             self.engine,
-            self.responses.put_nowait,
+            self.responses.put,
             max_in_flight_frames=servicer.options.max_in_flight_frames,
             on_first_result=metrics.observe_first_result,
             on_result_latency=lambda s: metrics.observe_result(priority_label, s),
             output_delay_frames=servicer.info.get("output_delay_frames", 0),
         )
         self.reader: asyncio.Task | None = None
+        self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
+        self._force: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.last_request_s = time.monotonic()
 
@@ -135,22 +168,60 @@ class _Stream:
         self._fail(grpc.StatusCode.UNAVAILABLE, "the engine process stopped; retry on another server")
 
     def _fail(self, code: grpc.StatusCode, message: str) -> None:
+        """End now with ``code`` (what is still queued before it is sent first)."""
         if not self.closed:
             self.closed = True
-            self.responses.put_nowait(_Abort(code, message))
+            self.responses.put(_Abort(code, message))
+            self.responses.wake()
             self.progress.set()
 
     def _check_done(self) -> None:
         if self.finishing and self.session.done and not self.closed:
             self.closed = True
-            self.responses.put_nowait(_DONE)
+            self.responses.put(self.end_status or _DONE)
+            self.responses.wake()
 
     def finish(self) -> None:
-        """No more audio (half-close or drain): flush and end after the last final."""
+        """No more audio (half-close, or a cut): flush and end after the last final."""
         if not self.finishing:
             self.finishing = True
             self.session.finish()
             self._check_done()
+
+    def cut(self, code: grpc.StatusCode, message: str) -> None:
+        """The server ends the stream: stop reading, flush the audio received, send its final, then end
+        with ``code`` (not OK: the client had more to send)."""
+        if self.closed or self.finishing:
+            return
+        self.end_status = _Abort(code, message)
+        if self.reader is not None:
+            self.reader.cancel()
+        self.progress.set()
+        self.finish()
+        # A client that reads nothing would keep the stream (and its slot) for ever: end it regardless.
+        self._force = asyncio.get_running_loop().call_later(CUT_TIMEOUT_S, self._force_close)
+
+    def _force_close(self) -> None:
+        if self.handler is not None and not self.handler.done():
+            log.info("session %s: its final was not taken in time; closing it", self.session_id)
+            self.handler.cancel()
+
+    def start(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
+        self.handler = asyncio.current_task()
+        self.last_request_s = time.monotonic()
+        self.reader = asyncio.create_task(self.read(requests))
+        self._watch_idle()
+
+    def release(self) -> None:
+        """Every exit path: stop reading, stop the timer, free the engine slot. Idempotent."""
+        self.closed = True
+        if self.reader is not None:
+            self.reader.cancel()
+        for timer in (self.idle_timer, self._force):
+            if timer is not None:
+                timer.cancel()  # a timer holds the stream (session, decoder) until it fires
+        self.idle_timer = self._force = None
+        self.engine.close(self.key)
 
     def _watch_idle(self) -> None:
         """Close the stream when no request came for the idle timeout (one timer per stream, not per
@@ -161,21 +232,19 @@ class _Stream:
         idle_s = time.monotonic() - self.last_request_s
         if idle_s >= timeout_s:
             self.servicer.metrics.rejected("idle_timeout")
-            self._fail(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no request for {timeout_s:g} s: the session was closed"
-            )
-            if self.reader is not None:
-                self.reader.cancel()
+            # What was heard still gets its final, then the status.
+            self.cut(grpc.StatusCode.DEADLINE_EXCEEDED, f"no request for {timeout_s:g} s: the session was closed")
             return
         self.idle_timer = asyncio.get_running_loop().call_later(timeout_s - idle_s, self._watch_idle)
 
     async def read(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
         session = self.session
         limit = self.servicer.options.max_in_flight_frames
-        self.last_request_s = time.monotonic()
-        self._watch_idle()
         try:
             while True:
+                # A client that does not read its responses is not read either (flow control).
+                while self.responses.full and not self.closed:
+                    await self.responses.wait_for_room()
                 try:
                     request = await anext(requests)
                 except StopAsyncIteration:
@@ -183,10 +252,16 @@ class _Stream:
                 self.last_request_s = time.monotonic()
                 kind = request.WhichOneof("request")
                 if kind == "audio":
-                    session.feed_audio(request.audio, self.last_request_s)
-                    while session.backlog_frames > limit and not self.closed:
-                        self.progress.clear()
-                        await self.progress.wait()
+                    audio = request.audio
+                    for offset in range(0, len(audio), AUDIO_SLICE_BYTES):
+                        if offset:
+                            await asyncio.sleep(0)  # other sessions run between the slices of a big chunk
+                            if self.closed or self.finishing:
+                                return
+                        session.feed_audio(audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s)
+                        while session.backlog_frames > limit and not self.closed:
+                            self.progress.clear()
+                            await self.progress.wait()
                 elif kind == "control":
                     if request.control.type == pb.Control.FINALIZE:
                         session.finalize()
@@ -206,6 +281,15 @@ class _Stream:
             self.finish()
         except asyncio.CancelledError:
             raise
+        except (grpc.RpcError, grpc.aio.AbortError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+            # The client went away, or the stream was aborted while a read was pending: expected.
+            log.info(
+                "session %s: requests ended (%s)",
+                self.session_id,
+                type(err).__name__,
+                extra={"session_id": self.session_id},
+            )
+            self._fail(grpc.StatusCode.CANCELLED, "the stream ended")
         except Exception:
             log.exception(
                 "session %s: reading requests failed", self.session_id, extra={"session_id": self.session_id}
@@ -227,62 +311,73 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
     def active_streams(self) -> int:
         return len(self._streams)
 
-    async def StreamingRecognize(self, request_iterator, context):
-        requests = aiter(request_iterator)
+    async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig:
+        """The stream's validated config; raises :class:`_Refused` saying why not."""
         if self.draining:
-            self.metrics.rejected("draining")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one")
+            raise _Refused(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one", "draining"
+            )
         try:
             first = await asyncio.wait_for(anext(requests), self.options.idle_timeout_s)
         except StopAsyncIteration:
-            self.metrics.rejected("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended before its StreamingConfig")
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, "the stream ended before its StreamingConfig"
+            ) from None
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no StreamingConfig within the idle timeout")
+            raise _Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no StreamingConfig within the idle timeout", "idle_timeout"
+            ) from None
         if first.WhichOneof("request") != "config":
-            self.metrics.rejected("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         try:
             config = validate_config(first.config, self.info["model_name"], self.options.default_endpointing)
         except ConfigError as err:
-            self.metrics.rejected("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         if not self.engine.connected:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available; retry later")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the engine is restarting; retry in a moment", None)
+        return config
 
-        stream = _Stream(self, config)
-        self._streams.add(stream)
-        log.info(
-            "session %s opened: %s %d Hz %s",
-            stream.session_id,
-            config.encoding.name,
-            config.sample_rate_hz,
-            config.priority.name,
-            extra={"session_id": stream.session_id},
-        )
-        self.engine.open(stream.key, config.priority, stream)
-        # The config is accepted: say so at once (clients may wait for this before sending audio).
-        await context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
-        stream.reader = asyncio.create_task(stream.read(requests))
+    async def StreamingRecognize(self, request_iterator, context):
+        requests = aiter(request_iterator)
+        try:
+            config = await self._accept(requests)
+        except _Refused as refused:
+            if refused.reason:
+                self.metrics.rejected(refused.reason)
+            yield _status_response("", refused.code, refused.message)
+            await context.abort(refused.code, refused.message)
+
+        stream = _Stream(self, config)  # no side effects until the try below owns it
         outcome = "ok"
         try:
+            self._streams.add(stream)
+            log.info(
+                "session %s opened: %s %d Hz %s",
+                stream.session_id,
+                config.encoding.name,
+                config.sample_rate_hz,
+                config.priority.name,
+                extra={"session_id": stream.session_id},
+            )
+            self.engine.open(stream.key, config.priority, stream)
+            # The config is accepted: say so at once (clients may wait for this before sending audio).
+            await context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
+            stream.start(requests)
             while True:
                 item = await stream.responses.get()
                 if item is _DONE:
                     break
                 if isinstance(item, _Abort):
                     outcome = item.code.name
+                    # The status, also as a last response (some clients can lose the status itself).
+                    yield _status_response(stream.session_id, item.code, item.message)
                     await context.abort(item.code, item.message)
                 yield item
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
-            stream.closed = True
-            stream.reader.cancel()
-            if stream.idle_timer is not None:
-                stream.idle_timer.cancel()  # it holds the stream (session, decoder) until it fires
-            self.engine.close(stream.key)
+            stream.release()
             self._streams.discard(stream)
             log.info("session %s closed: %s", stream.session_id, outcome, extra={"session_id": stream.session_id})
 
@@ -313,13 +408,26 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 max_utterance_ms=defaults.max_utterance_ms,
                 vad_aggressiveness=defaults.vad_aggressiveness,
             ),
-            frontends=self.options.frontends,
+            frontends=self.engine.listening_frontends,  # live: those connected to the engine and listening
         )
 
-    def drain(self) -> None:
-        """Refuse new streams; end every open one after its final."""
+    async def drain(self, grace_s: float, final_wait_s: float = 5.0) -> None:
+        """Refuse new streams; serve the open ones for ``grace_s``; then cut those still open (their final
+        for the audio received, then UNAVAILABLE) and wait up to ``final_wait_s`` for those finals."""
         self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if not self._streams:
+            return
+        log.info("drain grace over: cutting %d open sessions after their finals", len(self._streams))
         for stream in list(self._streams):
-            if stream.reader is not None:
-                stream.reader.cancel()
-            stream.finish()
+            stream.cut(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: the final above covers the audio received; retry the rest on "
+                "another server",
+            )
+        deadline = loop.time() + final_wait_s
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)

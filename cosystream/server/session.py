@@ -57,7 +57,9 @@ END_CONTEXT_FRAMES = 20
 """Audio a causal model needs after an utterance's last speech frame to emit its last word (measured: the
 default model drops or garbles the last word of 2 in 3 espeak-ng sentences cut at their last sample, and of
 none with 100 ms of silence after them). Utterances that end with less (FINALIZE, half-close, the length
-limit) get the rest as silence, plus the model's output delay."""
+limit) get the rest as silence, plus the model's output delay, within the session's padding budget: over
+the whole stream, padding never exceeds the audio sent (a FINALIZE after every 10 ms chunk would otherwise
+make the engine step ~20 frames of silence per frame of audio)."""
 
 
 class _Utterance:
@@ -131,6 +133,8 @@ class Session:
         self._utterance: _Utterance | None = None
         self._utterances = 0
         self._arrivals: deque[tuple[int, float]] = deque()  # (frames sent up to, receive time) per send
+        self._audio_frames_sent = 0  # over the stream: frames of audio sent to the engine
+        self._pad_frames_sent = 0  # and frames of end-of-utterance silence (kept <= the audio)
         self._last_queue_s = 0.0
         self._last_compute_s = 0.0
 
@@ -200,6 +204,7 @@ class Session:
                 frames = payload if len(payload) <= room else payload[:room]
                 self.engine.send_frames(self.key, frames)
                 utterance.sent += len(frames)
+                self._audio_frames_sent += len(frames)
                 self._arrivals.append((utterance.sent, received_s))
                 self._queued_frames -= len(frames)
                 if len(frames) < len(payload):
@@ -215,12 +220,14 @@ class Session:
                     # an utterance ended early (FINALIZE, half-close, length limit) gets silence instead.
                     trailing = utterance.first_frame + utterance.sent - utterance.end.end_frame
                     pad = max(0, END_CONTEXT_FRAMES + self.output_delay_frames - trailing)
+                    pad = min(pad, self._audio_frames_sent - self._pad_frames_sent)
                     in_flight = utterance.sent - utterance.received
                     if in_flight and pad > self.max_in_flight_frames - in_flight:
                         return  # (sent anyway once nothing is in flight, whatever the in-flight limit)
                     if pad:
                         self.engine.send_frames(self.key, np.zeros((pad, FRAME_SAMPLES), dtype=np.float32))
                         utterance.sent += pad
+                        self._pad_frames_sent += pad
                     utterance.flushed = True
                 if utterance.received < utterance.sent:
                     return  # the final waits for the results of every frame sent

@@ -1,8 +1,19 @@
-"""``cosystream serve``: the engine process, N frontends on one port, metrics, and a graceful drain.
+"""``cosystream serve``: the engine process, N frontends on one port, metrics, restarts, and a graceful drain.
 
 Frontend 0 runs in this process; frontends 1..N-1 are spawned once it has bound the port (so ``--port 0``
-works) and share it through SO_REUSEPORT. SIGTERM or SIGINT drains: health turns NOT_SERVING, new streams
-get UNAVAILABLE, every open stream gets its final, then everything stops and the exit status is 0.
+works) and share it through SO_REUSEPORT.
+
+The supervisor owns the processes:
+- an engine that cannot start (bad model, no such device) ends ``serve`` at once with one line saying why
+  (exit 1): the same configuration would fail again;
+- an engine that dies after it was ready is restarted with backoff; the frontends fail its sessions
+  (UNAVAILABLE), turn health NOT_SERVING, and reconnect to the new one (SERVING again once it is warm);
+- a frontend that dies is respawned;
+- either dying ``RestartPolicy.max_failures`` times within ``window_s`` ends ``serve`` with exit 1, saying so.
+
+SIGTERM or SIGINT drains: health turns NOT_SERVING with the port still open, new streams get UNAVAILABLE,
+open streams are served for ``--drain-grace-s``; those still open then get the final for the audio received
+and UNAVAILABLE; then everything stops and the exit status is 0.
 """
 
 from __future__ import annotations
@@ -13,14 +24,25 @@ import logging
 import multiprocessing as mp
 import shutil
 import signal
-from dataclasses import replace
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
 
-from cosystream.engine.process import EngineProcessConfig, exit_with_parent, set_process_name, start_engine
+from cosystream.engine.process import (
+    EngineHandle,
+    EngineProcessConfig,
+    EngineStartError,
+    exit_with_parent,
+    set_process_name,
+    start_engine,
+)
 from cosystream.logs import configure as configure_logs
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.server.frontend import Frontend, FrontendConfig
 
 log = logging.getLogger(__name__)
+
+WATCH_PERIOD_S = 0.1
 
 
 def frontend_main(
@@ -44,6 +66,31 @@ def frontend_main(
     asyncio.run(run())
 
 
+@dataclass(slots=True)
+class RestartPolicy:
+    """Restart with exponential backoff; give up after ``max_failures`` within ``window_s``."""
+
+    max_failures: int = 5
+    window_s: float = 60.0
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    _failures: deque[float] = field(default_factory=deque, init=False, repr=False)
+
+    def failed(self) -> float | None:
+        """Record a failure now: the backoff before the restart, or None to give up."""
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > self.window_s:
+            self._failures.popleft()
+        if len(self._failures) >= self.max_failures:
+            return None
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** (len(self._failures) - 1))
+
+
+class ServeError(RuntimeError):
+    """``serve`` cannot go on; the message says why (one line)."""
+
+
 class Supervisor:
     def __init__(
         self,
@@ -53,6 +100,7 @@ class Supervisor:
         metrics_port: int,
         run_dir: str,
         naive: bool = False,
+        restarts: RestartPolicy | None = None,
     ):
         self.process = process
         self.frontend_config = frontend
@@ -60,7 +108,9 @@ class Supervisor:
         self.metrics_port = metrics_port
         self.run_dir = run_dir
         self.naive = naive
-        self.children: list[mp.Process] = []
+        self.restarts = restarts or RestartPolicy()
+        self.children: dict[int, mp.Process] = {}
+        self.engine: EngineHandle | None = None
 
     def serve_metrics(self) -> None:
         """Bind ``/metrics`` before anything starts, so a busy port fails at once (``OSError``)."""
@@ -68,24 +118,30 @@ class Supervisor:
             serve_metrics(self.metrics_port)
 
     def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; 0 after a drain. Raises :class:`ServeError` when it cannot go on."""
         set_process_name("cs-supervisor")  # it also runs frontend 0
-        if self.naive:
-            return asyncio.run(self._serve_naive())
-        engine = start_engine(self.process)
         try:
-            return asyncio.run(self._serve(engine))
+            if self.naive:
+                return asyncio.run(self._serve_naive())
+            return asyncio.run(self._serve())
         finally:
-            for child in self.children:
+            for child in self.children.values():
                 if child.is_alive():
                     child.terminate()
                 child.join(5)
                 process_exited(child.pid)
-            engine.terminate()
-            engine.join(10)
-            if engine.is_alive():
-                engine.kill()
-            process_exited(engine.pid)
+            if self.engine is not None:
+                self._stop_engine()
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _stop_engine(self) -> None:
+        engine = self.engine.process
+        engine.terminate()
+        engine.join(10)
+        if engine.is_alive():
+            engine.kill()
+            engine.join(5)
+        process_exited(engine.pid)
 
     async def _serve_naive(self) -> int:
         """One process, the model called per chunk as it arrives: the benchmarks' baseline."""
@@ -95,65 +151,136 @@ class Supervisor:
         frontend = Frontend(self.frontend_config, "", b"", engine=engine)
         port = await frontend.start()
         log.info("cosystream serving on port %d with 1 frontend(s) (naive mode: no engine, no batching)", port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+        stop = self._stop_event()
         await stop.wait()
         await frontend.drain()
         return 0
 
-    async def _serve(self, engine: mp.Process) -> int:
-        loop = asyncio.get_running_loop()
+    def _stop_event(self) -> asyncio.Event:
         stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        return stop
+
+    async def _engine_ready(self, stop: asyncio.Event) -> bool:
+        """Wait for the current engine to be ready (False: stopped first). Raises EngineStartError."""
+        while not self.engine.wait_ready(0):
+            if stop.is_set():
+                return False
+            await asyncio.sleep(WATCH_PERIOD_S)
+        return True
+
+    async def _serve(self) -> int:
+        stop = self._stop_event()
+        self.engine = start_engine(self.process)
         frontend = Frontend(self.frontend_config, self.process.address, self.process.authkey)
         start = asyncio.create_task(frontend.start())
-        while not start.done():
-            await asyncio.wait({start}, timeout=0.5)
-            if not engine.is_alive():
-                log.error("the engine process exited during start-up (exit code %s)", engine.exitcode)
-                start.cancel()
-                return 1
-            if stop.is_set():
-                start.cancel()
+        try:
+            if not await self._engine_ready(stop):
                 return 0
+            while not start.done():
+                await asyncio.wait({start}, timeout=WATCH_PERIOD_S)
+                if stop.is_set():
+                    return 0
+                if not self.engine.process.is_alive():
+                    raise ServeError(
+                        f"the engine process exited during start-up (exit code {self.engine.process.exitcode})"
+                    )
+        except EngineStartError as err:
+            raise ServeError(f"the engine could not start: {err}") from None
+        finally:
+            if not start.done():
+                start.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await start
         port = start.result()
-        sibling_config = replace(self.frontend_config, port=port)
-        context = mp.get_context("spawn")
+        self.frontend_config = replace(self.frontend_config, port=port)
         for index in range(1, self.frontends):
-            child = context.Process(
-                target=frontend_main,
-                args=(
-                    sibling_config,
-                    self.process.address,
-                    self.process.authkey,
-                    self.process.log_level,
-                    self.process.log_format,
-                    index,
-                ),
-                name=f"cosystream-frontend-{index}",
-            )
-            child.start()
-            self.children.append(child)
+            self._spawn_frontend(index)
         if self.metrics_port:
             log.info("metrics on :%d/metrics", self.metrics_port)
         log.info("cosystream serving on port %d with %d frontend(s)", port, self.frontends)
-        status = 0
+        try:
+            await self._watch(stop)
+        finally:
+            log.info("draining")
+            for child in self.children.values():
+                if child.is_alive():
+                    child.terminate()  # SIGTERM: the child drains
+            await frontend.drain()
+            loop = asyncio.get_running_loop()
+            for child in self.children.values():
+                await loop.run_in_executor(None, child.join, self.frontend_config.drain_grace_s + 10)
+        log.info("stopped")
+        return 0
+
+    def _spawn_frontend(self, index: int) -> None:
+        child = mp.get_context("spawn").Process(
+            target=frontend_main,
+            args=(
+                self.frontend_config,
+                self.process.address,
+                self.process.authkey,
+                self.process.log_level,
+                self.process.log_format,
+                index,
+            ),
+            name=f"cosystream-frontend-{index}",
+        )
+        child.start()
+        self.children[index] = child
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: restart the engine and respawn frontends that die. Raises ServeError on giving up."""
+        restarting: asyncio.Task | None = None
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            if not engine.is_alive():
-                log.error("the engine process exited (exit code %s); stopping", engine.exitcode)
-                status = 1
+                await asyncio.wait_for(stop.wait(), WATCH_PERIOD_S)
+            if stop.is_set():
                 break
-        log.info("draining")
-        for child in self.children:
-            if child.is_alive():
-                child.terminate()  # SIGTERM: the child drains
-        await frontend.drain()
-        for child in self.children:
-            await loop.run_in_executor(None, child.join, self.frontend_config.drain_grace_s + 5)
-        log.info("stopped")
-        return status
+            if restarting is not None and restarting.done():
+                restarting.result()  # a ServeError ends serve
+                restarting = None
+            if restarting is None and not self.engine.process.is_alive():
+                restarting = asyncio.create_task(self._restart_engine(stop))
+            for index, child in list(self.children.items()):
+                if not child.is_alive():  # (reaps it: no zombie)
+                    await self._respawn_frontend(index, child, stop)
+        if restarting is not None:
+            restarting.cancel()
+
+    async def _restart_engine(self, stop: asyncio.Event) -> None:
+        while True:
+            dead = self.engine.process
+            process_exited(dead.pid)
+            backoff_s = self.restarts.failed()
+            if backoff_s is None:
+                raise ServeError(
+                    f"the engine process died {self.restarts.max_failures} times within "
+                    f"{self.restarts.window_s:g} s (last exit code {dead.exitcode}); giving up"
+                )
+            log.error("the engine process died (exit code %s); restarting it in %.1f s", dead.exitcode, backoff_s)
+            await asyncio.sleep(backoff_s)
+            self.engine = start_engine(self.process)
+            try:
+                if await self._engine_ready(stop):
+                    log.info("engine restarted")
+                return
+            except EngineStartError as err:
+                log.error("the restarted engine could not start: %s", err)
+
+    async def _respawn_frontend(self, index: int, child: mp.Process, stop: asyncio.Event) -> None:
+        process_exited(child.pid)
+        backoff_s = self.restarts.failed()
+        if backoff_s is None:
+            raise ServeError(
+                f"frontend {index} died, {self.restarts.max_failures} process failures within "
+                f"{self.restarts.window_s:g} s (last exit code {child.exitcode}); giving up"
+            )
+        log.error("frontend %d died (exit code %s); respawning it in %.1f s", index, child.exitcode, backoff_s)
+        del self.children[index]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), backoff_s)
+        if not stop.is_set():
+            self._spawn_frontend(index)

@@ -78,16 +78,26 @@ class Control(_message.Message):
     def __init__(self, type: _Optional[_Union[Control.Type, str]] = ...) -> None: ...
 
 class StreamingRecognizeResponse(_message.Message):
-    __slots__ = ("results", "speech_event", "latency", "session_id")
+    __slots__ = ("results", "speech_event", "latency", "session_id", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SPEECH_EVENT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StreamingResult]
     speech_event: SpeechEvent
     latency: Latency
     session_id: str
-    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    error: StreamError
+    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StreamingResult(_message.Message):
     __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence")
