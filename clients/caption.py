@@ -37,6 +37,7 @@ import numpy as np
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import StreamStatus, server_address
 
 MIC_RATE_HZ = 16000
 BLOCK_MS = 10
@@ -326,6 +327,7 @@ class Captioner:
         self.display = captions.display
         self.stopping = False
         self.audio_s = 0.0
+        self.status = StreamStatus()
 
     def stop(self) -> None:
         """Stop listening; the server's last final still arrives."""
@@ -352,11 +354,8 @@ class Captioner:
             try:
                 await self._stream(call)
             except grpc.aio.AioRpcError as err:
-                code, details = err.code(), err.details()
-                if code == grpc.StatusCode.INTERNAL:
-                    # A write racing the server's abort can surface as INTERNAL ("Internal error from Core");
-                    # the call itself still holds the status the server sent.
-                    code, details = await call.code(), await call.details()
+                # (a write racing the server's abort can surface as INTERNAL: the status response says more)
+                code, details = self.status.code_and_details(err)
                 verb = "ended the stream" if code == grpc.StatusCode.UNAVAILABLE else "refused the stream"
                 raise CaptionError(f"server {verb}: {code.name}: {' '.join(details.split())}") from err
         if self.source.overflows:
@@ -384,6 +383,7 @@ class Captioner:
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         async for response in call:
+            self.status.seen(response)
             self.captions.handle(response)
 
     async def _send(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -460,7 +460,9 @@ def install_sigint(loop: asyncio.AbstractEventLoop, handler: Callable[[], None])
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", default="localhost:50051", help="host:port (default: %(default)s)")
+    parser.add_argument(
+        "--server", default="localhost:50051", type=server_address, help="host[:port] (default: %(default)s)"
+    )
     parser.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
     parser.add_argument("--device", help="input device: an index or part of a name (see --list-devices)")
     parser.add_argument("--file", type=Path, metavar="WAV", help="play a 16-bit WAV at real time instead")

@@ -38,8 +38,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from cosystream.v1 import client
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import StreamStatus, server_address
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -88,11 +90,11 @@ def synthesize(seed: int = 0, gap_s: float = 1.2) -> Audio:
 
 
 def read_wav(path: Path | str) -> tuple[np.ndarray, int]:
-    with wave.open(str(path)) as w:
-        if w.getsampwidth() != 2:
-            raise ValueError(f"{path}: only 16-bit PCM WAV is supported")
-        data = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
-        return data.reshape(-1, w.getnchannels()).mean(axis=1), w.getframerate()
+    """float32 mono samples and the rate of a WAV file (PCM, float, mu-law or A-law)."""
+    try:
+        return client.read_wav(path)
+    except (OSError, ValueError) as err:
+        sys.exit(f"latency_probe: {err}")
 
 
 def write_wav(path: Path | str, samples: np.ndarray, rate_hz: int = 16000) -> None:
@@ -198,8 +200,10 @@ class Stream:
         self.sent_s[:] = np.nan
         started = time.monotonic()
         utterance_seen: set[int] = set()
+        status = StreamStatus()
         try:
             async for response in stub.StreamingRecognize(self.requests()):
+                status.seen(response)
                 now = time.monotonic()
                 if not stats.first_packet_ms and not math.isnan(self.sent_s[0]):
                     stats.first_packet_ms.append((now - self.sent_s[0]) * 1e3)
@@ -223,7 +227,8 @@ class Stream:
                         if not math.isnan(end):
                             stats.final_latency_ms.append((now - end) * 1e3)
         except grpc.aio.AioRpcError as err:
-            stats.error = f"{err.code().name}: {err.details()}"
+            code, details = status.code_and_details(err)
+            stats.error = f"{code.name}: {details}"
         stats.wall_s = time.monotonic() - started
         stats.audio_s = np.count_nonzero(~np.isnan(self.sent_s)) * self.chunk_ms / 1000
 
@@ -331,7 +336,10 @@ def summarize(values: list[float]) -> dict[str, float | None]:
 def deadline_misses(metrics_url: str | None) -> int | None:
     if not metrics_url:
         return None
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    except (OSError, ValueError) as err:
+        sys.exit(f"latency_probe: cannot read --metrics-url {metrics_url}: {getattr(err, 'reason', err)}")
     match = re.search(r"^cosystream_deadline_misses_total (\S+)", text, re.M)
     return int(float(match.group(1))) if match else 0
 
@@ -415,7 +423,7 @@ def plot(result: dict, stats: list[SessionStats], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", default="localhost:50051")
+    parser.add_argument("--server", default="localhost:50051", type=server_address, help="host[:port]")
     parser.add_argument("--realtime", type=int, default=10, help="REALTIME sessions")
     parser.add_argument("--batch", type=int, default=0, help="BATCH sessions (sent as fast as allowed)")
     parser.add_argument("--chunk-ms", type=int, default=10, help="realtime chunk size (10; 20 for telephony)")
@@ -463,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, stats, args.plot)
     print(table(result, other))
     print(summary_line(result))
+    failed = [s for s in stats if s.error]
+    if stats and len(failed) == len(stats):
+        reasons = sorted({s.error for s in failed})
+        print(
+            f"latency_probe: every stream failed against {args.server}: {'; '.join(reasons[:3])}", file=sys.stderr
+        )
+        return 1
     return 0
 
 

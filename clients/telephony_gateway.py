@@ -26,12 +26,16 @@ if __package__ in (None, ""):  # run as a script: make `clients` importable from
 
 from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
 from clients.telephony.config import parse_port_range
+from cosystream.v1.client import server_address
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--server", default="localhost:50051", help="cosystream gRPC address (default %(default)s)"
+        "--server",
+        default="localhost:50051",
+        type=server_address,
+        help="cosystream gRPC address, host[:port] (default %(default)s)",
     )
     parser.add_argument(
         "--bind", default="0.0.0.0", help="address for SIP, RTP and AudioSocket (default %(default)s)"
@@ -91,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as err:
         sys.exit(f"telephony_gateway: {err}")
-    asyncio.run(serve(config, args.jsonl, args.webhook))
+    try:
+        asyncio.run(serve(config, args.jsonl, args.webhook))
+    except OSError as err:  # a busy or unusable SIP, RTP or AudioSocket port
+        sys.exit(
+            f"telephony_gateway: cannot listen on {args.bind}: {err.strerror or err} (--sip-port picks another)"
+        )
     return 0
 
 

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
+from cosystream.v1 import client
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import server_address
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +26,10 @@ CHUNK_MS = 100
 
 
 def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """Mono int16 samples and the rate of a PCM WAV file (8/16/24/32-bit; channels are averaged)."""
-    with wave.open(path, "rb") as wav:
-        rate, channels, width = wav.getframerate(), wav.getnchannels(), wav.getsampwidth()
-        raw = wav.readframes(wav.getnframes())
-    if width == 1:
-        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
-    elif width == 2:
-        samples = np.frombuffer(raw, "<i2").astype(np.float32) / 32768
-    elif width == 3:
-        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
-        samples = ((b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8).astype(np.float32) / (1 << 23)
-    elif width == 4:
-        samples = np.frombuffer(raw, "<i4").astype(np.float32) / (1 << 31)
-    else:
-        raise ValueError(f"{path}: unsupported sample width {width}")
-    mono = samples.reshape(-1, channels).mean(axis=1)
-    return (np.clip(mono, -1, 1 - 1 / 32768) * 32768).astype("<i2"), rate
+    """Mono int16 samples and the rate of a WAV file (PCM, float, mu-law or A-law; channels are averaged).
+    Raises ``ValueError`` saying what is accepted."""
+    audio, rate = client.read_wav(path)
+    return (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype("<i2"), rate
 
 
 def write_wav(path: str, samples: np.ndarray, rate: int) -> None:
@@ -91,7 +80,7 @@ def format_result(result: pb.StreamingResult, words: bool) -> str:
 
 def transcribe_command(args: argparse.Namespace) -> int:
     server = None
-    address = args.server
+    address = None if args.server is None else server_address(args.server)
     try:
         if address is None:
             from cosystream.server.local import LocalServer

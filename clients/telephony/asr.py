@@ -6,8 +6,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import grpc
+
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import StreamStatus
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,13 @@ class AsrStream:
 
     async def run(self) -> None:
         call = self._stub.StreamingRecognize(self._requests())
-        async for response in call:
-            for result in response.results:
-                if result.is_final:
-                    self.finals += 1
-                self._on_result(result)
+        status = StreamStatus()
+        try:
+            async for response in call:
+                status.seen(response)
+                for result in response.results:
+                    if result.is_final:
+                        self.finals += 1
+                    self._on_result(result)
+        except grpc.aio.AioRpcError as err:
+            raise status.resolve(err) from None

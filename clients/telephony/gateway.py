@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
 from .audiosocket import AudioSocketServer
@@ -38,6 +39,7 @@ class Gateway:
         self._channel: grpc.aio.Channel | None = None
         self.sip: SipUas | None = None
         self.audiosocket: AudioSocketServer | None = None
+        self._watch: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> Gateway:
@@ -53,10 +55,38 @@ class Gateway:
             )
             await self.audiosocket.start()
         logger.info("gateway ready: cosystream at %s, at most %d calls", self.config.server, self.config.max_calls)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_server())
         return self
+
+    async def _watch_server(self, retry_s: float = 5.0) -> None:
+        """Say when cosystream cannot be reached (calls are then refused) and when it answers again; the
+        channel itself keeps reconnecting."""
+        stub = pb_grpc.CosyStreamStub(self._channel)
+        reachable = None
+        while True:
+            try:
+                await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=retry_s)
+                if reachable is not True:
+                    if reachable is False:
+                        logger.warning("cosystream at %s answers again", self.config.server)
+                    reachable = True
+            except grpc.aio.AioRpcError as err:
+                if reachable is not False:
+                    logger.warning(
+                        "cosystream at %s cannot be reached (%s: %s); calls are refused until it answers, "
+                        "retrying every %g s",
+                        self.config.server,
+                        err.code().name,
+                        " ".join((err.details() or "").split()),
+                        retry_s,
+                    )
+                    reachable = False
+            await asyncio.sleep(retry_s)
 
     async def stop(self) -> None:
         """Hang up every call (flushing its last final), then close everything."""
+        if self._watch is not None:
+            self._watch.cancel()
         if self.sip is not None:
             await self.sip.stop()
         if self.audiosocket is not None:

@@ -1,0 +1,140 @@
+"""Helpers for clients of the wire API (hand-written; the rest of ``cosystream.v1`` is generated).
+
+``server_address``: ``host`` -> ``host:50051``. ``read_wav``: the WAV files a client may stream (PCM, float,
+mu-law, A-law), with errors that say what is accepted. ``StreamStatus``: the status a stream really ended
+with.
+
+grpcio's asyncio client can replace the server's status with INTERNAL "Internal error from Core" when the
+server ends a stream while the client is still writing (grpc/grpc#36066): a refusal (RESOURCE_EXHAUSTED), a
+drain (UNAVAILABLE) or a bad request (INVALID_ARGUMENT) would then read as a crash. The server also sends
+the status as its last response (``StreamingRecognizeResponse.error``); :class:`StreamStatus` keeps it and
+puts it back.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cosystream.v1 import cosystream_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+DEFAULT_PORT = 50051
+"""``cosystream serve``'s port; gRPC itself would take 443 for a name without one."""
+
+
+def server_address(text: str, default_port: int = DEFAULT_PORT) -> str:
+    """``host[:port]``, ``[v6]:port`` or a gRPC target (``unix:...``, ``dns:...``) with the port defaulted."""
+    if text.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return text
+    if text.startswith("["):
+        return text if "]:" in text else f"{text}:{default_port}"
+    host, colon, port = text.rpartition(":")
+    if colon and port.isdigit() and ":" not in host:
+        return text
+    if text.count(":") > 1:  # a bare IPv6 address
+        return f"[{text}]:{default_port}"
+    return f"{text}:{default_port}"
+
+
+class StreamStatus:
+    """Feed it every response (``seen``); ``resolve`` an error the stream ended with."""
+
+    def __init__(self) -> None:
+        self.error: pb.StreamError | None = None
+
+    def seen(self, response: pb.StreamingRecognizeResponse) -> None:
+        if response.HasField("error"):
+            self.error = response.error
+
+    def code_and_details(self, err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+        code, details = err.code(), err.details() or ""
+        if code == grpc.StatusCode.INTERNAL and self.error is not None and self.error.code in _CODES:
+            return _CODES[self.error.code], self.error.message
+        return code, details
+
+    def resolve(self, err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+        """``err``, or the same error with the status the server sent."""
+        code, details = self.code_and_details(err)
+        if code == err.code():
+            return err
+        return grpc.aio.AioRpcError(code, err.initial_metadata(), err.trailing_metadata(), details)
+
+
+WAV_HELP = (
+    "accepted: WAV (RIFF) with PCM samples of 8, 16, 24 or 32 bits, 32/64-bit float, mu-law or A-law, any "
+    "rate from 8 to 48 kHz, mono or more channels (averaged); convert anything else with "
+    "`sox IN -c 1 -b 16 OUT.wav` or `ffmpeg -i IN -ac 1 OUT.wav`"
+)
+_PCM, _FLOAT, _ALAW, _MULAW, _EXTENSIBLE = 1, 3, 6, 7, 0xFFFE
+
+
+class WavError(ValueError):
+    """A file that is not a WAV file this reader takes; the message says what is accepted."""
+
+
+def read_wav(path) -> tuple[np.ndarray, int]:
+    """A WAV file's audio as float32 mono in [-1, 1] and its sample rate. Raises :class:`WavError`."""
+    data = Path(path).read_bytes()
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise WavError(f"{path}: not a WAV file (no RIFF/WAVE header); {WAV_HELP}")
+    fmt, samples, offset = None, None, 12
+    while offset + 8 <= len(data):
+        kind, size = data[offset : offset + 4], struct.unpack_from("<I", data, offset + 4)[0]
+        body = data[offset + 8 : offset + 8 + size]
+        if kind == b"fmt " and len(body) >= 16:
+            fmt = struct.unpack_from("<HHIIHH", body)
+            if fmt[0] == _EXTENSIBLE and len(body) >= 26:
+                fmt = (struct.unpack_from("<H", body, 24)[0], *fmt[1:])  # the sub-format's tag
+        elif kind == b"data":
+            samples = body
+            break
+        offset += 8 + size + (size & 1)
+    if fmt is None or samples is None:
+        raise WavError(f"{path}: a WAV file without {'a fmt' if fmt is None else 'a data'} chunk; {WAV_HELP}")
+    tag, channels, rate, _, _, bits = fmt
+    if channels < 1 or rate <= 0:
+        raise WavError(f"{path}: {channels} channels at {rate} Hz; {WAV_HELP}")
+    if tag == _PCM and bits in (8, 16, 24, 32):
+        audio = _pcm(samples, bits)
+    elif tag == _FLOAT and bits in (32, 64):
+        audio = np.frombuffer(samples[: len(samples) // (bits // 8) * (bits // 8)], f"<f{bits // 8}")
+    elif tag in (_MULAW, _ALAW) and bits == 8:
+        audio = (_MULAW_TABLE if tag == _MULAW else _ALAW_TABLE)[np.frombuffer(samples, np.uint8)]
+    else:
+        raise WavError(f"{path}: WAV format {tag} with {bits}-bit samples is not supported; {WAV_HELP}")
+    audio = audio[: len(audio) // channels * channels].reshape(-1, channels).mean(axis=1)
+    return np.clip(audio, -1.0, 1.0).astype(np.float32), rate
+
+
+def _pcm(raw: bytes, bits: int) -> np.ndarray:
+    width = bits // 8
+    raw = raw[: len(raw) // width * width]
+    if bits == 8:
+        return (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
+    if bits == 16:
+        return np.frombuffer(raw, "<i2").astype(np.float32) / 32768
+    if bits == 24:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
+        return ((b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8).astype(np.float32) / (1 << 23)
+    return np.frombuffer(raw, "<i4").astype(np.float32) / (1 << 31)
+
+
+def _g711_tables() -> tuple[np.ndarray, np.ndarray]:
+    """ITU-T G.711 expansion of every byte, mu-law and A-law, to float in [-1, 1]."""
+    byte = np.arange(256)
+    u = ~byte & 0xFF
+    magnitude = ((((u & 0x0F) << 3) + 0x84) << ((u >> 4) & 0x07)) - 0x84
+    mulaw = np.where(u & 0x80, -magnitude, magnitude) / 32768.0
+    a = byte ^ 0x55
+    exponent, mantissa = (a >> 4) & 0x07, a & 0x0F
+    linear = np.where(exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0))
+    alaw = np.where(a & 0x80, linear, -linear) / 32768.0
+    return mulaw.astype(np.float32), alaw.astype(np.float32)
+
+
+_MULAW_TABLE, _ALAW_TABLE = _g711_tables()
