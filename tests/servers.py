@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 
@@ -60,3 +61,145 @@ class HeldStream:
     def close(self):
         self.release.set()
         self.thread.join(30)
+
+
+class Served:
+    """``cosystream serve`` in a subprocess, as users run it: ``with Served("--frontends", "2") as s:``.
+
+    ``s.address``, ``s.metrics_url``, ``s.log`` (every line so far), ``s.pids()`` (process name -> pid:
+    cs-supervisor, cs-engine, cs-frontend-N), ``s.stub()``, ``s.health()``, ``s.info()``."""
+
+    def __init__(self, *args: str, start_timeout_s: float = 90.0):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.metrics_port = s.getsockname()[1]
+        self.args = args
+        self.start_timeout_s = start_timeout_s
+        self.log: list[str] = []
+        self.port = 0
+        self._channel = None
+
+    def __enter__(self) -> Served:
+        import re
+        import subprocess
+        import sys
+        import time
+
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cosystream.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--metrics-port",
+                str(self.metrics_port),
+                *self.args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.port and time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            self.log.append(line)
+            if m := re.search(r"serving on port (\d+) with", line):
+                self.port = int(m.group(1))
+        if not self.port:
+            self.process.kill()
+            raise AssertionError("server did not start:\n" + "".join(self.log))
+        threading.Thread(target=lambda: self.log.extend(self.process.stdout), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def pids(self) -> dict[str, int]:
+        """Live processes of this server by name (zombies excluded)."""
+        import os
+
+        found = {}
+        for pid in [self.process.pid, *_descendants(self.process.pid)]:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+            if state != "Z" and os.path.exists(f"/proc/{pid}"):
+                found[name] = pid
+        return found
+
+    def stub(self):
+        from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        return pb_grpc.CosyStreamStub(self._channel)
+
+    def health(self, timeout_s: float = 5.0) -> int | None:
+        """The health status of ``cosystream.v1.CosyStream`` on a fresh connection (None: no answer)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            try:
+                return (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(service="cosystream.v1.CosyStream"), timeout=timeout_s)
+                    .status
+                )
+            except grpc.RpcError:
+                return None
+
+    def info(self, timeout_s: float = 10.0) -> pb.ServerInfo:
+        return self.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout_s)
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus metric's samples (all labels)."""
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    def wait(self, predicate, timeout_s: float, what: str):
+        """Poll ``predicate()`` until it is truthy; its value, or an AssertionError naming ``what``."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if value := predicate():
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"{what} within {timeout_s} s\n" + "".join(self.log[-40:]))
+
+
+def _descendants(root: int) -> list[int]:
+    from benchmarks._harness import _children
+
+    children = _children()
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from tests.servers import HeldStream
+from tests.servers import HeldStream, Served
 from tests.speech import encode, needs_espeak, silence, speech
 
 pytestmark = needs_espeak
@@ -43,46 +43,8 @@ def free_port() -> int:
 
 @pytest.fixture()
 def served():
-    metrics_port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cosystream.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            str(metrics_port),
-            "--frontends",
-            "2",
-            "--max-sessions",
-            "8",
-            "--drain-grace-s",
-            "10",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    log: list[str] = []
-    port = None
-    deadline = time.monotonic() + 60
-    while port is None and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        log.append(line)
-        if m := re.search(r"serving on port (\d+) with", line):
-            port = int(m.group(1))
-    assert port, "server did not start:\n" + "".join(log)
-    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
-    yield process, port, metrics_port, log
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    with Served("--frontends", "2", "--max-sessions", "8", "--drain-grace-s", "10") as server:
+        yield server.process, server.port, server.metrics_port, server.log
 
 
 def wait_serving(address: str) -> None:
