@@ -26,7 +26,6 @@ import shutil
 import signal
 import sys
 import textwrap
-import wave
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import StreamStatus, server_address
+from cosystream.v1.client import StreamStatus, read_wav, server_address
 
 MIC_RATE_HZ = 16000
 BLOCK_MS = 10
@@ -285,19 +284,14 @@ class MicrophoneSource:
 
 
 class FileSource:
-    """A 16-bit PCM WAV file (channels averaged) in ``BLOCK_MS`` blocks, paced at real time."""
+    """A WAV file (PCM, float, mu-law or A-law; channels averaged) in ``BLOCK_MS`` blocks, paced at real time."""
 
     def __init__(self, path: Path):
         try:
-            with wave.open(str(path), "rb") as wav:
-                width, channels, self.rate_hz = wav.getsampwidth(), wav.getnchannels(), wav.getframerate()
-                raw = wav.readframes(wav.getnframes())
-        except (OSError, EOFError, wave.Error) as err:
+            audio, self.rate_hz = read_wav(path)
+        except (OSError, ValueError) as err:
             raise CaptionError(f"cannot read {path}: {err}") from err
-        if width != 2:
-            raise CaptionError(f"{path}: only 16-bit PCM WAV is supported (sox in.wav -b 16 out.wav)")
-        samples = np.frombuffer(raw, "<i2").reshape(-1, channels)
-        self._samples = samples[:, 0] if channels == 1 else samples.mean(axis=1).astype("<i2")
+        self._samples = (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype("<i2")
         self.name = str(path)
         self.overflows = 0
         self._stopped = False

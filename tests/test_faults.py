@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -417,3 +418,84 @@ def test_our_clients_report_the_status_the_server_sent():
         finally:
             held.close()
         assert set(codes) == {"RESOURCE_EXHAUSTED"}, codes
+
+
+# --- what a new user runs into ------------------------------------------------------------------------
+
+
+def write_wav(path: Path, audio: np.ndarray, rate_hz: int = 16000) -> Path:
+    import wave
+
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate_hz)
+        out.writeframes(encode(audio, "LINEAR16"))
+    return path
+
+
+def test_a_probe_that_reaches_no_server_says_why_and_fails(tmp_path):
+    wav = write_wav(tmp_path / "tone.wav", (0.3 * np.sin(np.arange(16000) / 5)).astype(np.float32))
+    probe = [sys.executable, "clients/latency_probe.py", "--realtime", "2", "--duration", "1", "--wav", str(wav)]
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run(
+        [*probe, "--server", "127.0.0.1:1"], capture_output=True, text=True, timeout=60, cwd=root, env=env
+    )
+    assert run.returncode == 1
+    assert "latency_probe: every stream failed against 127.0.0.1:1: UNAVAILABLE" in run.stderr, run.stderr
+    run = subprocess.run(
+        [*probe, "--server", "127.0.0.1:1", "--metrics-url", "http://127.0.0.1:1/metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env=env,
+    )
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("latency_probe: cannot read --metrics-url http://127.0.0.1:1/metrics")
+
+
+def test_a_server_address_without_a_port_means_50051():
+    from cosystream.v1.client import server_address
+
+    assert server_address("localhost") == "localhost:50051"
+    assert server_address("10.1.2.3:6000") == "10.1.2.3:6000"
+    assert server_address("::1") == "[::1]:50051"
+    assert server_address("[::1]:7") == "[::1]:7"
+    assert server_address("unix:/run/cs.sock") == "unix:/run/cs.sock"
+
+
+@needs_espeak
+@pytest.mark.skipif(shutil.which("sox") is None, reason="needs sox")
+def test_transcribe_takes_every_wav_encoding_and_explains_the_rest(tmp_path):
+    pcm = write_wav(tmp_path / "pcm.wav", np.concatenate([speech(SENTENCES[1]), silence(0.5)]))
+    variants = {
+        "mulaw": ["-e", "u-law", "-b", "8"],
+        "alaw": ["-e", "a-law", "-b", "8"],
+        "float": ["-e", "floating-point", "-b", "32"],
+        "stereo24": ["-b", "24", "-c", "2", "-r", "44100"],
+    }
+    for name, args in variants.items():
+        subprocess.run(["sox", str(pcm), *args, str(tmp_path / f"{name}.wav")], check=True)
+    (tmp_path / "notes.txt").write_text("not audio")
+
+    def transcribe(path: Path, address: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "cosystream.cli", "transcribe", str(path), "--server", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    with Served("--frontends", "1") as served:
+        reference = transcribe(pcm, served.address)
+        assert reference.returncode == 0 and reference.stdout.strip(), reference.stderr
+        text = reference.stdout.split("]", 1)[1].strip()
+        for name in variants:
+            run = transcribe(tmp_path / f"{name}.wav", served.address)
+            assert run.returncode == 0, (name, run.stderr)
+            assert run.stdout.split("]", 1)[1].strip() == text, (name, run.stdout, text)
+        refused = transcribe(tmp_path / "notes.txt", served.address)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    assert "not a WAV file" in refused.stderr and "sox IN -c 1 -b 16 OUT.wav" in refused.stderr
