@@ -266,3 +266,16 @@ def test_a_cuda_device_that_is_not_there_is_refused_with_a_reason():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda:1")
         assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_plain_cuda_is_a_device_the_engine_can_use():
+    """``torch.cuda.set_device`` refuses ``torch.device("cuda")`` (no index) with a ValueError, with or without a
+    GPU: the benchmarks and tests pass plain ``cuda``, so setting the device must not depend on an index."""
+    from cosystream.engine.process import use_device
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        use_device(torch.device("cuda"))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -71,7 +71,8 @@ def use_device(device: torch.device) -> None:
     Full float32 (no TF32) keeps the engine's outputs equal to the offline pass within the streaming
     tolerance; docs/GPU.md has what TF32 would gain on the step (``benchmarks/step.py --device cuda``)."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:  # (set_device refuses plain ``cuda``, which is the current device)
+            torch.cuda.set_device(device.index)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
 

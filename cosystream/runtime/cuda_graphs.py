@@ -22,7 +22,9 @@ class CudaGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.device = device
         # Capture and replay use the current device: make it this one (``cuda:1`` must not capture on 0).
-        torch.cuda.set_device(device)
+        # (set_device refuses a device without an index: plain ``cuda`` is the current one.)
+        if device.index is not None:
+            torch.cuda.set_device(device.index)
         self.warmup_iterations = warmup_iterations
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
