@@ -5,7 +5,7 @@ Shaped after vLLM v1 / nano-vllm: the engine reports what arrived (`add_frames`)
 ``runner.run(plan.slots, frames)``. The scheduler holds no audio, only per-session frame counts and
 arrival times, and it imports nothing but the standard library.
 
-Policy (DESIGN.md, "The scheduler"):
+Policy (the scheduler contract in README.md, "How it works"):
 
 - REALTIME before BATCH: while any realtime session has a frame due, `schedule()` returns a realtime
   step. Frames become due ``realtime_batch_window_s`` after the oldest waiting one arrived (at once when

@@ -1,4 +1,5 @@
-"""The default architecture: log-mel features, residual causal convolutions, a character CTC head.
+"""The default architecture: log-mel features, residual causal convolutions, a CTC head over the vocabulary
+(letters, or phonemes with a pronunciation lexicon: the shipped model hears phonemes).
 
 Every layer is causal, so a stream can be stepped 10 ms at a time with explicit caches and reproduce the
 offline pass exactly. ``step`` computes each dilated convolution as one matmul over the cached window
@@ -234,7 +235,8 @@ class ResidualBlock(nn.Module):
 
 
 class ConvCtcModel(nn.Module):
-    """Streaming character CTC recognizer; implements the streaming-model contract (see ``contract.py``)."""
+    """Streaming CTC recognizer over ``config.vocabulary`` (letters or phonemes); implements the streaming-model
+    contract (see ``contract.py``)."""
 
     def __init__(self, config: ConvCtcConfig):
         super().__init__()
