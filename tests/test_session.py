@@ -1,0 +1,183 @@
+"""``Session`` on its own: a fake engine that answers when the test says so, a fake clock, real webrtcvad,
+no gRPC and no espeak-ng. Pins the event contract and the session's limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cosystream.engine.scheduler import Priority
+from cosystream.frames import FRAME_SAMPLES
+from cosystream.server.audio import AudioEncoding
+from cosystream.server.ctc import CtcDecoder
+from cosystream.server.session import END_CONTEXT_FRAMES, Session, SessionConfig
+from cosystream.server.vad import EndpointingConfig
+from cosystream.v1 import cosystream_pb2 as pb
+from tests.conftest import speech_like
+
+VOCABULARY = ["_", " ", "a", "b"]
+STARTED, ENDED = pb.SpeechEvent.SPEECH_STARTED, pb.SpeechEvent.SPEECH_ENDED
+
+
+class FakeEngine:
+    """Records what the session sends; ``answer()`` returns results for every frame in flight, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[np.ndarray] = []  # runs of frames not yet answered
+        self.frames_sent = 0
+        self.silence_frames = 0
+        self.resets = 0
+        self.log: list[str] = []  # "frames N" / "reset" in order
+        self.session: Session | None = None
+
+    def send_frames(self, key: int, frames: np.ndarray) -> None:
+        self.sent.append(frames)
+        self.frames_sent += len(frames)
+        self.silence_frames += int(sum(not frame.any() for frame in frames))
+        self.log.append(f"frames {len(frames)}")
+
+    def reset(self, key: int) -> None:
+        self.resets += 1
+        self.log.append("reset")
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(run) for run in self.sent)
+
+    def answer(self) -> None:
+        while self.sent:
+            run = self.sent.pop(0)
+            ids = np.where(np.arange(len(run)) % 3 == 0, 2, 0).astype(np.int32)[:, None]  # "a", blanks
+            self.session.on_results(ids, np.full(ids.shape, -0.1, np.float32), 0.001, 0.002)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_session(**kwargs) -> tuple[Session, FakeEngine, list[pb.StreamingRecognizeResponse]]:
+    engine, emitted = FakeEngine(), []
+    config = SessionConfig(
+        encoding=AudioEncoding.LINEAR16,
+        sample_rate_hz=16000,
+        priority=Priority.REALTIME,
+        interim_results=kwargs.pop("interim_results", True),
+        endpointing=EndpointingConfig(),
+        word_time_offsets=True,
+    )
+    session = Session(1, "s", config, CtcDecoder(VOCABULARY), engine, emitted.append, clock=Clock(), **kwargs)
+    engine.session = session
+    return session, engine, emitted
+
+
+def pcm(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype("<i2").tobytes()
+
+
+def talk() -> np.ndarray:
+    """0.5 s of silence, 1.5 s of speech-like audio, 1 s of silence."""
+    return np.concatenate([np.zeros(8000, np.float32), speech_like(1.5, seed=3), np.zeros(16000, np.float32)])
+
+
+def feed(session: Session, engine: FakeEngine, audio: np.ndarray, answer: bool = True, chunk: int = 160) -> None:
+    data = pcm(audio)
+    for offset in range(0, len(data), chunk * 2):
+        session.clock.now += chunk / 16000
+        session.feed_audio(data[offset : offset + chunk * 2], session.clock.now)
+        if answer:
+            engine.answer()
+
+
+def kinds(emitted: list[pb.StreamingRecognizeResponse]) -> list[str]:
+    out = []
+    for response in emitted:
+        if response.HasField("speech_event"):
+            out.append("started" if response.speech_event.type == STARTED else "ended")
+        for result in response.results:
+            out.append("final" if result.is_final else "interim")
+    return out
+
+
+def test_one_utterance_follows_the_event_contract():
+    session, engine, emitted = make_session()
+    feed(session, engine, talk())
+    events = kinds(emitted)
+    assert events[0] == "started" and events[-2:] == ["ended", "final"], events
+    assert set(events[1:-2]) <= {"interim"} and "interim" in events
+    final = emitted[-1].results[0]
+    assert final.transcript and final.utterance_index == 0 and final.start_ms >= 400
+    assert engine.log[-1] == "reset" and engine.resets == 1  # the model state is reset after the final
+    assert session.done
+    assert all(r.session_id == "s" for r in emitted)
+
+
+def test_the_final_waits_for_the_results_of_every_frame_sent():
+    session, engine, emitted = make_session(max_in_flight_frames=1000)
+    feed(session, engine, talk(), answer=False)
+    assert "ended" in kinds(emitted) and "final" not in kinds(emitted)
+    assert engine.in_flight > 0 and not session.done
+    engine.answer()
+    assert kinds(emitted)[-1] == "final" and session.done
+
+
+def test_no_frame_is_sent_before_speech_started_and_silence_costs_nothing():
+    session, engine, emitted = make_session()
+    feed(session, engine, np.zeros(16000 * 3, np.float32))
+    assert engine.frames_sent == 0 and emitted == []
+
+
+def test_frames_in_flight_never_exceed_the_limit():
+    session, engine, emitted = make_session(max_in_flight_frames=8)
+    data = pcm(talk())
+    peak = 0
+    for offset in range(0, len(data), 3200):  # 100 ms chunks, answered only every other chunk
+        session.feed_audio(data[offset : offset + 3200], 0.0)
+        peak = max(peak, engine.in_flight)
+        if offset // 3200 % 2:
+            engine.answer()
+    for _ in range(10):
+        engine.answer()
+    session.finish()
+    engine.answer()
+    assert peak <= 8
+    assert kinds(emitted)[-1] == "final"
+
+
+def test_half_close_mid_utterance_pads_the_end_and_flushes_the_final():
+    session, engine, emitted = make_session()
+    feed(session, engine, np.concatenate([np.zeros(8000, np.float32), speech_like(1.0, seed=4)]))
+    assert "final" not in kinds(emitted)
+    session.finish()
+    engine.answer()
+    assert kinds(emitted)[-2:] == ["ended", "final"]
+    assert engine.silence_frames >= END_CONTEXT_FRAMES  # the model gets context after the last word
+
+
+@pytest.mark.parametrize("chunk_ms", [10, 20])
+def test_finalize_after_every_chunk_costs_at_most_twice_the_audio(chunk_ms):
+    session, engine, emitted = make_session()
+    data = pcm(speech_like(3.0, seed=5))  # (no leading silence: every all-zero frame sent is padding)
+    chunk = 16 * chunk_ms * 2
+    for offset in range(0, len(data), chunk):
+        session.feed_audio(data[offset : offset + chunk], 0.0)
+        session.finalize()
+        engine.answer()
+    audio_frames = engine.frames_sent - engine.silence_frames
+    assert engine.silence_frames <= audio_frames, (engine.silence_frames, audio_frames)
+    assert kinds(emitted).count("final") == kinds(emitted).count("started") > 10
+
+
+def test_every_frame_goes_to_the_engine_at_most_once():
+    session, engine, emitted = make_session()
+    audio = np.concatenate([speech_like(1.0, seed=6), np.zeros(3200, np.float32), speech_like(1.0, seed=7)])
+    feed(session, engine, np.concatenate([np.zeros(8000, np.float32), audio, np.zeros(16000, np.float32)]))
+    session.finish()
+    engine.answer()
+    audio_frames = engine.frames_sent - engine.silence_frames
+    assert audio_frames <= len(audio) // FRAME_SAMPLES + 50 + 20  # speech, pre-roll, hangover
+    finals = [r.results[0] for r in emitted if r.results and r.results[0].is_final]
+    assert [f.utterance_index for f in finals] == list(range(len(finals)))
