@@ -86,11 +86,12 @@ malformed = st.sampled_from(
 
 @st.composite
 def streams(draw):
-    first = draw(st.one_of(valid_config, valid_config, valid_config, bad_first))
+    valid = draw(st.integers(0, 3)) > 0
+    first = draw(valid_config if valid else bad_first)
     rest = draw(st.lists(st.one_of(well_formed, well_formed, well_formed, malformed), max_size=25))
     ending = draw(st.sampled_from(["half-close", "half-close", "cancel"]))
     cancel_after_s = draw(st.floats(0.0, 0.3))
-    return first, rest, ending, cancel_after_s
+    return first, valid, rest, ending, cancel_after_s
 
 
 def run_stream(stub, first, rest, ending: str, cancel_after_s: float):
@@ -120,11 +121,10 @@ def run_stream(stub, first, rest, ending: str, cancel_after_s: float):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(streams())
 def test_random_streams_end_with_a_defined_status_and_leak_nothing(server, stub, stream):
-    first, rest, ending, cancel_after_s = stream
+    first, valid, rest, ending, cancel_after_s = stream
     code, responses = run_stream(stub, first, rest, ending, cancel_after_s)
     assert code in DEFINED, (code, first, rest, ending)
-    clean = first.HasField("config") and first.config.sample_rate_hz in (8000, 16000, 22050, 44100, 48000)
-    clean = clean and not any(r.HasField("config") or r.WhichOneof("request") is None for r in rest)
+    clean = valid and not any(r.HasField("config") or r.WhichOneof("request") is None for r in rest)
     clean = clean and not any(r.HasField("control") and r.control.type != pb.Control.FINALIZE for r in rest)
     if clean and ending == "half-close":
         assert code == grpc.StatusCode.OK, code

@@ -221,6 +221,7 @@ class _Stream:
             if timer is not None:
                 timer.cancel()  # a timer holds the stream (session, decoder) until it fires
         self.idle_timer = self._force = None
+        self.handler = None  # (the handler's frame holds this stream: no cycle left for the collector)
         self.engine.close(self.key)
 
     def _watch_idle(self) -> None:
@@ -380,6 +381,9 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             stream.release()
             self._streams.discard(stream)
             log.info("session %s closed: %s", stream.session_id, outcome, extra={"session_id": stream.session_id})
+            # An abort's traceback keeps this frame, and its locals, alive: let the session (resampler, decoder)
+            # go now, not when the RPC's last exception is dropped.
+            del stream
 
     async def GetServerInfo(self, request, context):
         info = self.info
