@@ -250,16 +250,22 @@ class Supervisor:
         if restarting is not None:
             restarting.cancel()
 
+    def _failed(self, dead: mp.Process, what: str) -> float:
+        """Count a dead process against the restart policy: the backoff before its restart, or ServeError
+        (``what`` with ``{n}``, the failures allowed) when the policy gives up."""
+        process_exited(dead.pid)
+        backoff_s = self.restarts.failed()
+        if backoff_s is None:
+            raise ServeError(
+                f"{what.format(n=self.restarts.max_failures)} within {self.restarts.window_s:g} s "
+                f"(last exit code {dead.exitcode}); giving up"
+            )
+        return backoff_s
+
     async def _restart_engine(self, stop: asyncio.Event) -> None:
         while True:
             dead = self.engine.process
-            process_exited(dead.pid)
-            backoff_s = self.restarts.failed()
-            if backoff_s is None:
-                raise ServeError(
-                    f"the engine process died {self.restarts.max_failures} times within "
-                    f"{self.restarts.window_s:g} s (last exit code {dead.exitcode}); giving up"
-                )
+            backoff_s = self._failed(dead, "the engine process died {n} times")
             log.error("the engine process died (exit code %s); restarting it in %.1f s", dead.exitcode, backoff_s)
             await asyncio.sleep(backoff_s)
             self.engine = start_engine(self.process)
@@ -271,13 +277,7 @@ class Supervisor:
                 log.error("the restarted engine could not start: %s", err)
 
     async def _respawn_frontend(self, index: int, child: mp.Process, stop: asyncio.Event) -> None:
-        process_exited(child.pid)
-        backoff_s = self.restarts.failed()
-        if backoff_s is None:
-            raise ServeError(
-                f"frontend {index} died, {self.restarts.max_failures} process failures within "
-                f"{self.restarts.window_s:g} s (last exit code {child.exitcode}); giving up"
-            )
+        backoff_s = self._failed(child, f"frontend {index} died, {{n}} process failures")
         log.error("frontend %d died (exit code %s); respawning it in %.1f s", index, child.exitcode, backoff_s)
         del self.children[index]
         with contextlib.suppress(TimeoutError):
