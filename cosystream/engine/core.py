@@ -94,10 +94,11 @@ class EngineCore:
     # --- frontend messages -----------------------------------------------------------------------
 
     def handle(self, frontend: int, message: tuple) -> None:
-        ops, keys, counts, frames = message
+        """One frontend message (``ipc.ToEngine.pack()``): its ops in order, then its frames."""
+        message = ipc.ToEngine.unpack(message)
         # Deadlines and the batching window count from arrival here, in the engine.
         arrival_s = time.monotonic()
-        for op in ops:
+        for op in message.ops:
             kind, key = op[0], op[1]
             if kind == ipc.OPEN:
                 self._open(frontend, key, Priority(op[2]))
@@ -112,12 +113,10 @@ class EngineCore:
                     self.scheduler.remove(slot)
             elif kind == ipc.LISTENING:
                 self._listening.add(frontend)
-        start = 0
-        for key, count in zip(keys, counts, strict=True):
+        for key, frames in message.runs():
             slot = self._slot_of.get((frontend, key))
             if slot is not None:
-                self._enqueue(slot, frames[start : start + count], arrival_s)
-            start += count
+                self._enqueue(slot, frames, arrival_s)
 
     def disconnect(self, frontend: int) -> None:
         """A frontend went away: free every slot it held."""

@@ -2,7 +2,8 @@
 
 One message per tick in each direction and per frontend, not one per audio chunk: a frontend coalesces
 every op and frame its sessions produced during one event-loop iteration; the engine sends each frontend
-the results of one step in one message. Messages are tuples of plain values and numpy arrays over a
+the results of one step in one message. ``pack()`` and ``unpack()`` are the only places that know the wire
+layout; the messages are tuples of plain values and numpy arrays over a
 ``multiprocessing.connection`` Unix socket (pickle protocol 5); ``benchmarks/ipc.py`` measures it against
 pyzmq and against one message per chunk.
 
@@ -14,25 +15,38 @@ same message as its OPEN, without waiting for a round trip.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
 from cosystream.models.contract import FRAME_SAMPLES
 
-# Ops, frontend -> engine.
-OPEN = 0  # (OPEN, key, priority)
-RESET = 1  # (RESET, key): zero the session's model state; sent only when none of its frames is in flight
-CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
-LISTENING = 3  # (LISTENING, 0): this frontend's gRPC port is open (the server is SERVING once all are)
 
-# Events, engine -> frontend.
-HELLO = 10  # (HELLO, info: dict): the engine is warm; sent once per frontend
-OPENED = 11  # (OPENED, key)
-REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
-SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
-ACTIVE = 14  # (ACTIVE, sessions, listening): slots held on the engine, all frontends, and how many
-#   frontends are connected and listening; sent to every frontend when either changes
+class Op(IntEnum):
+    """Control ops, frontend -> engine: ``(op, key, ...)`` tuples in ``ToEngine.ops``."""
+
+    OPEN = 0  # (OPEN, key, priority)
+    RESET = 1  # (RESET, key): zero the session's model state; sent only when none of its frames is in flight
+    CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
+    LISTENING = 3  # (LISTENING, 0): this frontend's gRPC port is open (the server is SERVING once all are)
+
+
+class Event(IntEnum):
+    """Events, engine -> frontend: ``(event, ...)`` tuples in ``ToFrontend.events``."""
+
+    HELLO = 10  # (HELLO, info: dict): the engine is warm; sent once per frontend
+    OPENED = 11  # (OPENED, key)
+    REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
+    SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
+    # (ACTIVE, sessions, listening): slots held on the engine, all frontends, and how many frontends are
+    # connected and listening; sent to every frontend when either changes
+    ACTIVE = 14
+
+
+OPEN, RESET, CLOSE, LISTENING = Op
+HELLO, OPENED, REJECTED, SHED, ACTIVE = Event
 
 
 @dataclass(slots=True)
@@ -56,6 +70,23 @@ class ToEngine:
         frames = np.concatenate(self.frames) if self.frames else np.zeros((0, FRAME_SAMPLES), dtype=np.float32)
         return (self.ops, self.keys, self.counts, frames)
 
+    @classmethod
+    def unpack(cls, message: tuple) -> ToEngine:
+        """The inverse of :meth:`pack`: the frames arrive as one array, split by ``counts`` in :meth:`runs`."""
+        ops, keys, counts, frames = message
+        return cls(ops, keys, counts, [frames])
+
+    def runs(self) -> Iterator[tuple[int, np.ndarray]]:
+        """``(key, frames [n, 160])`` per run, in order, as built or as unpacked."""
+        if len(self.frames) == len(self.keys):  # as built: one array per run
+            yield from zip(self.keys, self.frames, strict=True)
+            return
+        (frames,) = self.frames  # as unpacked: one array
+        start = 0
+        for key, count in zip(self.keys, self.counts, strict=True):
+            yield key, frames[start : start + count]
+            start += count
+
 
 @dataclass(slots=True)
 class ToFrontend:
@@ -73,3 +104,8 @@ class ToFrontend:
 
     def pack(self) -> tuple:
         return (self.events, self.keys, self.ids, self.logprobs, self.queue_s, self.compute_s)
+
+    @classmethod
+    def unpack(cls, message: tuple) -> ToFrontend:
+        """The inverse of :meth:`pack`."""
+        return cls(*message)

@@ -79,8 +79,8 @@ class EngineClient:
                     raise TimeoutError(f"no engine at {self.address} after {timeout_s:g} s") from None
                 await asyncio.sleep(CONNECT_RETRY_S)
         try:
-            hello = await self._readable(conn, HELLO_TIMEOUT_S)
-            kind, info = hello[0][0]
+            hello = ipc.ToFrontend.unpack(await self._readable(conn, HELLO_TIMEOUT_S))
+            kind, info = hello.events[0]
             if kind != ipc.HELLO:
                 raise RuntimeError(f"engine sent {kind} before HELLO")
         except BaseException:
@@ -202,11 +202,11 @@ class EngineClient:
 
     def _on_readable(self) -> None:
         try:
-            events, keys, ids, logprobs, queue_s, compute_s = self._conn.recv()
+            box = ipc.ToFrontend.unpack(self._conn.recv())
         except (EOFError, OSError):
             self._lost()
             return
-        for event in events:
+        for event in box.events:
             if event[0] == ipc.ACTIVE:
                 self._engine_sessions, self._listening_frontends = event[1], event[2]
                 self._changed()
@@ -219,7 +219,9 @@ class EngineClient:
             elif event[0] in (ipc.REJECTED, ipc.SHED):
                 self._sinks.pop(event[1], None)
                 sink.on_refused(event[2], shed=event[0] == ipc.SHED)
-        for key, row_ids, row_logprobs, q, c in zip(keys, ids, logprobs, queue_s, compute_s, strict=True):
+        for key, row_ids, row_logprobs, q, c in zip(
+            box.keys, box.ids, box.logprobs, box.queue_s, box.compute_s, strict=True
+        ):
             sink = self._sinks.get(key)
             if sink is not None:
                 sink.on_results(row_ids, row_logprobs, q, c)
