@@ -44,3 +44,11 @@ def test_to_frontend_round_trips():
     assert received.events == box.events and received.keys == [3]
     np.testing.assert_array_equal(received.ids[0], box.ids[0])
     assert (received.queue_s, received.compute_s) == ([0.001], [0.002])
+
+
+def test_the_engine_client_and_the_naive_baseline_are_both_engines():
+    from cosystream.server.engine_client import Engine, EngineClient
+    from cosystream.server.naive import NaiveEngine
+
+    assert isinstance(EngineClient("/nonexistent.sock", b"key"), Engine)
+    assert isinstance(NaiveEngine(None, max_sessions=2), Engine)

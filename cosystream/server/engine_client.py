@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -33,6 +33,38 @@ class SessionSink(Protocol):
     def on_results(self, ids: np.ndarray, logprobs: np.ndarray, queue_s: float, compute_s: float) -> None: ...
 
     def on_engine_lost(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a frontend needs of an engine: :class:`EngineClient` (the engine process over its socket) and
+    ``naive.NaiveEngine`` (the benchmarks' baseline, in the frontend's own process) both implement it."""
+
+    info: dict
+    connected: bool
+    on_change: Callable[[], None] | None
+
+    async def connect(self) -> dict: ...
+
+    def close_connection(self) -> None: ...
+
+    def mark_listening(self) -> None: ...
+
+    @property
+    def listening_frontends(self) -> int: ...
+
+    @property
+    def active_sessions(self) -> int: ...
+
+    def new_key(self) -> int: ...
+
+    def open(self, key: int, priority: Priority, sink: SessionSink) -> None: ...
+
+    def send_frames(self, key: int, frames: np.ndarray) -> None: ...
+
+    def reset(self, key: int) -> None: ...
+
+    def close(self, key: int) -> None: ...
 
 
 CONNECT_RETRY_S = 0.05

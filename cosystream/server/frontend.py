@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cosystream.metrics import FrontendMetrics
 from cosystream.server.compat import add_compat_services
-from cosystream.server.engine_client import EngineClient
+from cosystream.server.engine_client import Engine, EngineClient
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
@@ -40,7 +40,7 @@ class FrontendConfig:
 
 
 class Frontend:
-    def __init__(self, config: FrontendConfig, engine_address: str, authkey: bytes, engine=None):
+    def __init__(self, config: FrontendConfig, engine_address: str, authkey: bytes, engine: Engine | None = None):
         self.config = config
         self.engine = engine if engine is not None else EngineClient(engine_address, authkey)
         self.server: grpc.aio.Server | None = None

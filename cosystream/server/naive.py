@@ -22,7 +22,7 @@ from cosystream.server.engine_client import SessionSink
 
 
 class NaiveEngine:
-    """Implements the EngineClient calls the servicer and sessions use, stepping the model inline."""
+    """Implements ``engine_client.Engine`` (what the servicer and sessions use), stepping the model inline."""
 
     def __init__(self, model_path: str | None, max_sessions: int, decoder: DecoderConfig | None = None):
         torch.set_num_threads(1)
@@ -33,7 +33,7 @@ class NaiveEngine:
         self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, decoder)
         self.connected = False
         self.on_change = None
-        self.listening_frontends = 0
+        self._listening = 0
         self._sinks: dict[int, SessionSink] = {}
         self._caches: dict[int, list[torch.Tensor]] = {}
         self._next_key = 0
@@ -47,8 +47,12 @@ class NaiveEngine:
     def close_connection(self) -> None:
         self.connected = False
 
+    @property
+    def listening_frontends(self) -> int:
+        return self._listening
+
     def mark_listening(self) -> None:
-        self.listening_frontends = 1
+        self._listening = 1
         if self.on_change is not None:
             self.on_change()
 

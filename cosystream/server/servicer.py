@@ -24,7 +24,7 @@ from cosystream.engine.scheduler import Priority
 from cosystream.metrics import FrontendMetrics
 from cosystream.server.audio import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
 from cosystream.server.decoding import DecoderConfig, DecoderFactory
-from cosystream.server.engine_client import EngineClient
+from cosystream.server.engine_client import Engine
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.session import Session, SessionConfig
 from cosystream.server.vad import EndpointingConfig
@@ -299,7 +299,7 @@ class _Stream:
 
 
 class CosyStreamServicer(pb_grpc.CosyStreamServicer):
-    def __init__(self, engine: EngineClient, options: StreamOptions, metrics: FrontendMetrics | None = None):
+    def __init__(self, engine: Engine, options: StreamOptions, metrics: FrontendMetrics | None = None):
         self.engine = engine
         self.options = options
         self.metrics = metrics or FrontendMetrics()
