@@ -134,7 +134,12 @@ def probe_command(server: Server, json_path: str, *args: str) -> list[str]:
 def probe(server: Server, *args: str) -> tuple[dict, float]:
     """Run the latency probe in its own process; returns its JSON and the server's CPU seconds meanwhile."""
     result, cpu = probe_cpu(server, *args)
-    return result, sum(v for k, v in cpu.items() if k != "probe")
+    return result, server_seconds(cpu)
+
+
+def server_seconds(cpu: dict[str, float]) -> float:
+    """The server's CPU seconds in :func:`probe_cpu`'s breakdown (the probe's own left out)."""
+    return sum(seconds for name, seconds in cpu.items() if name != "probe")
 
 
 def probe_cpu(server: Server, *args: str) -> tuple[dict, dict[str, float]]:

@@ -20,7 +20,7 @@ import argparse
 import math
 import sys
 
-from benchmarks._harness import Server, dump, p, probe_cpu
+from benchmarks._harness import Server, dump, p, probe_cpu, server_seconds
 
 DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": [2, 4, 6, 8, 10, 12, 16, 20, 30]}
 P99_LIMIT_MS = 20.0
@@ -60,7 +60,7 @@ def measure(
                 "1",
                 *probe_extra,
             )
-            cpu_s = sum(v for k, v in cpu.items() if k != "probe")
+            cpu_s = server_seconds(cpu)
             rt = result["classes"]["realtime"]
             run = {
                 "streams": count,

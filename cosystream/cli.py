@@ -236,7 +236,6 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         frontend,
         args.frontends,
         args.metrics_port,
-        run_dir,
         naive=args.naive,
         restarts=RestartPolicy(max_failures=args.max_failures, window_s=args.restart_window_s),
     )

@@ -78,8 +78,8 @@ def use_device(device: torch.device) -> None:
 
 
 STARTUP_FAILED = 3
-"""The engine process's exit status when it could not start (bad model, no such device, ...): the
-supervisor does not restart it, since the same configuration would fail again."""
+"""The engine process's exit status when it could not start (bad model, no such device, ...), after it said
+why on its status pipe (``EngineHandle.wait_ready`` raises with that reason)."""
 
 
 class EngineStartError(RuntimeError):

@@ -73,13 +73,12 @@ HELLO_TIMEOUT_S = 10.0
 
 class EngineClient:
     """``connect()`` waits for the engine (it listens once warm). When the connection is lost (the engine
-    died) every session is told, and with ``reconnect`` the client connects again to the restarted engine at
-    the same address; ``on_change`` is called whenever ``connected`` or the counts change."""
+    died) every session is told, and the client connects again to the restarted engine at the same address
+    (until ``close_connection``); ``on_change`` is called whenever ``connected`` or the counts change."""
 
-    def __init__(self, address: str, authkey: bytes, reconnect: bool = True):
+    def __init__(self, address: str, authkey: bytes):
         self.address = address
         self.authkey = authkey
-        self.reconnect = reconnect
         self.info: dict = {}
         self.on_change: Callable[[], None] | None = None
         self._conn: Connection | None = None
@@ -97,18 +96,16 @@ class EngineClient:
         self._closing = False
         self.connected = False
 
-    async def connect(self, timeout_s: float | None = None) -> dict:
+    async def connect(self) -> dict:
         """Connect and wait for the engine's HELLO; returns its info. Retries while the socket is missing or
-        refuses (the engine is still starting); cancellable at any point, and nothing is left running."""
+        refuses (the engine is still starting; the supervisor decides how long that may take); cancellable
+        at any point, and nothing is left running."""
         self._loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else self._loop.time() + timeout_s
         while True:
             try:
                 conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
                 break
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, EOFError):
-                if deadline is not None and self._loop.time() >= deadline:
-                    raise TimeoutError(f"no engine at {self.address} after {timeout_s:g} s") from None
                 await asyncio.sleep(CONNECT_RETRY_S)
         try:
             hello = ipc.ToFrontend.unpack(await self._readable(conn, HELLO_TIMEOUT_S))
@@ -128,8 +125,7 @@ class EngineClient:
         self._sender.start()
         self.connected = True
         if self._listening:
-            self._pending.ops.append((ipc.LISTENING, 0))
-            self._schedule_flush()
+            self._announce_listening()
         self._changed()
         return self.info
 
@@ -147,8 +143,11 @@ class EngineClient:
         """This frontend's gRPC port is open: the engine counts it towards SERVING."""
         self._listening = True
         if self.connected:
-            self._pending.ops.append((ipc.LISTENING, 0))
-            self._schedule_flush()
+            self._announce_listening()
+
+    def _announce_listening(self) -> None:
+        self._pending.ops.append((ipc.LISTENING, 0))
+        self._schedule_flush()
 
     def close_connection(self) -> None:
         """Close for good (no reconnect)."""
@@ -268,7 +267,7 @@ class EngineClient:
         self._changed()
         for sink in sinks.values():
             sink.on_engine_lost()
-        if self.reconnect and not self._closing and self._reconnecting is None:
+        if not self._closing and self._reconnecting is None:
             self._reconnecting = self._loop.create_task(self._reconnect())
 
     async def _reconnect(self) -> None:

@@ -12,7 +12,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from cosystream.engine.process import EngineProcessConfig, start_engine
+from cosystream.engine.process import EngineHandle, EngineProcessConfig, start_engine
 from cosystream.server.frontend import Frontend, FrontendConfig
 
 
@@ -26,7 +26,7 @@ class LocalServer:
         )
         self.process_config = process_config
         self.frontend_config = frontend_config or FrontendConfig(host="127.0.0.1", port=0)
-        self.engine_process = None
+        self.engine: EngineHandle | None = None
         self.frontend: Frontend | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="frontend-loop")
@@ -39,7 +39,6 @@ class LocalServer:
     def start(self, timeout_s: float = 120.0) -> LocalServer:
         try:
             self.engine = start_engine(self.process_config)
-            self.engine_process = self.engine.process
             self.engine.wait_ready(timeout_s)  # raises EngineStartError with the reason
             self._thread.start()
             self.frontend = Frontend(
@@ -60,11 +59,12 @@ class LocalServer:
         if self.frontend is not None:
             with contextlib.suppress(Exception):
                 self.call(self.frontend.stop(grace_s=0.5))
-        if self.engine_process is not None:
-            self.engine_process.terminate()
-            self.engine_process.join(10)
-            if self.engine_process.is_alive():
-                self.engine_process.kill()
+        if self.engine is not None:
+            process = self.engine.process
+            process.terminate()
+            process.join(10)
+            if process.is_alive():
+                process.kill()
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)

@@ -419,11 +419,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         """Refuse new streams; serve the open ones for ``grace_s``; then cut those still open (their final
         for the audio received, then UNAVAILABLE) and wait up to ``final_wait_s`` for those finals."""
         self.draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self._streams and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        if not self._streams:
+        if await self._streams_ended_within(grace_s):
             return
         log.info("drain grace over: cutting %d open sessions after their finals", len(self._streams))
         for stream in list(self._streams):
@@ -432,6 +428,12 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 "the server is shutting down: the final above covers the audio received; retry the rest on "
                 "another server",
             )
-        deadline = loop.time() + final_wait_s
+        await self._streams_ended_within(final_wait_s)
+
+    async def _streams_ended_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every open stream to end; True if they all did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
         while self._streams and loop.time() < deadline:
             await asyncio.sleep(0.02)
+        return not self._streams

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
-import shutil
 import signal
 import time
 from collections import deque
@@ -98,7 +97,6 @@ class Supervisor:
         frontend: FrontendConfig,
         frontends: int,
         metrics_port: int,
-        run_dir: str,
         naive: bool = False,
         restarts: RestartPolicy | None = None,
     ):
@@ -106,7 +104,6 @@ class Supervisor:
         self.frontend_config = frontend
         self.frontends = frontends
         self.metrics_port = metrics_port
-        self.run_dir = run_dir
         self.naive = naive
         self.restarts = restarts or RestartPolicy()
         self.children: dict[int, mp.Process] = {}
@@ -132,7 +129,6 @@ class Supervisor:
                 process_exited(child.pid)
             if self.engine is not None:
                 self._stop_engine()
-            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _stop_engine(self) -> None:
         engine = self.engine.process
