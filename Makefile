@@ -19,6 +19,7 @@ lint: install-dev
 	$(VENV)/bin/ruff check cosystream tests benchmarks clients scripts training
 	$(VENV)/bin/ruff format --check cosystream tests benchmarks clients scripts training
 	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/check_layers.py
 
 # The GPU scripts run on this CPU machine as the GPU machine would run them (docs/GPU.md).
 gpu-rehearsal: install-dev system-deps

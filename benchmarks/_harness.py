@@ -72,7 +72,7 @@ class Server:
         self.args = [
             sys.executable,
             "-m",
-            "cosystream.cli",
+            "cosystream",
             "--log-level",
             "WARNING",
             "serve",

@@ -48,9 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cosystream.evaluate import edit_distance, evaluate, load_set, normalize, set_files, telephone
-from cosystream.server.decoding import DecoderConfig
-from cosystream.transcribe import write_wav
+from cosystream.app.evaluate import edit_distance, evaluate, load_set, normalize, set_files, telephone
+from cosystream.app.transcribe import write_wav
+from cosystream.decoding.config import DecoderConfig
 
 POCKETSPHINX_SDIST = "pocketsphinx==5.1.1"
 PYAV_WHEEL = "av==18.1.0"

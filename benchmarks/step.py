@@ -19,11 +19,11 @@ import time
 import numpy as np
 import torch
 
+from cosystream.decoding.config import BEAM_TOP_K
 from cosystream.engine.process import use_device
 from cosystream.models import FRAME_SAMPLES, load_model
 from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
 from cosystream.runtime.slab import StateSlab
-from cosystream.server.decoding import BEAM_TOP_K
 
 
 def sync(device: torch.device) -> None:

@@ -155,9 +155,7 @@ class Stream:
         repeats = max(1, math.ceil(duration_s / audio.duration_s)) if priority == "realtime" else 1
         loop = np.tile(samples, repeats)[: int(duration_s * rate_hz)] if priority == "realtime" else samples
         if encoding == pb.MULAW:
-            from cosystream.server.audio import encode_mulaw
-
-            data, width = encode_mulaw(loop), 1
+            data, width = client.encode_mulaw(loop), 1
         else:
             data, width = (np.clip(loop, -1, 1 - 1 / 32768) * 32768).astype("<i2").tobytes(), 2
         self.chunks = [data[i : i + chunk * width] for i in range(0, len(data), chunk * width)]

@@ -7,31 +7,41 @@ endpoint aggregates them.
 
 from __future__ import annotations
 
+import functools
 import os
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 STEP_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
-ACTIVE_SESSIONS = Gauge("cosystream_active_sessions", "Open sessions.", ["priority"], multiprocess_mode="livesum")
-FRAMES = Counter("cosystream_frames", "10 ms frames stepped through the model.", ["priority"])
-STEP_SECONDS = Histogram("cosystream_step_seconds", "Model step time (runner.run).", buckets=STEP_BUCKETS_S)
-BATCH_SIZE = Histogram("cosystream_batch_size", "Sessions (rows) per model step.", buckets=BATCH_BUCKETS)
-DEADLINE_MISSES = Counter("cosystream_deadline_misses", "REALTIME frames stepped later than their deadline.")
-RESULT_LATENCY = Histogram(
-    "cosystream_result_latency_seconds",
-    "From receiving the audio that completed a frame to sending the result it produced.",
-    ["priority"],
-    buckets=LATENCY_BUCKETS_S,
-)
-FIRST_RESULT_LATENCY = Histogram(
-    "cosystream_first_result_latency_seconds",
-    "From receiving an utterance's first speech frame to sending its first non-empty result.",
-    buckets=LATENCY_BUCKETS_S,
-)
-REJECTED = Counter("cosystream_rejected_sessions", "Sessions refused or ended early.", ["reason"])
+
+@functools.cache
+def _metrics() -> dict:
+    """The process's metric objects by name, made once, on first use: importing this module imports no prometheus_client,
+    so ``serve`` can set ``PROMETHEUS_MULTIPROC_DIR`` after reading its flags (prometheus_client reads it
+    when it is imported)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    ACTIVE_SESSIONS = Gauge(
+        "cosystream_active_sessions", "Open sessions.", ["priority"], multiprocess_mode="livesum"
+    )
+    FRAMES = Counter("cosystream_frames", "10 ms frames stepped through the model.", ["priority"])
+    STEP_SECONDS = Histogram("cosystream_step_seconds", "Model step time (runner.run).", buckets=STEP_BUCKETS_S)
+    BATCH_SIZE = Histogram("cosystream_batch_size", "Sessions (rows) per model step.", buckets=BATCH_BUCKETS)
+    DEADLINE_MISSES = Counter("cosystream_deadline_misses", "REALTIME frames stepped later than their deadline.")
+    RESULT_LATENCY = Histogram(
+        "cosystream_result_latency_seconds",
+        "From receiving the audio that completed a frame to sending the result it produced.",
+        ["priority"],
+        buckets=LATENCY_BUCKETS_S,
+    )
+    FIRST_RESULT_LATENCY = Histogram(
+        "cosystream_first_result_latency_seconds",
+        "From receiving an utterance's first speech frame to sending its first non-empty result.",
+        buckets=LATENCY_BUCKETS_S,
+    )
+    REJECTED = Counter("cosystream_rejected_sessions", "Sessions refused or ended early.", ["reason"])
+    return dict(locals())
 
 
 PRIORITIES = ("realtime", "batch")
@@ -42,43 +52,47 @@ class EngineMetrics:
     """What the engine process records per step."""
 
     def __init__(self) -> None:
+        self._m = _metrics()
         for priority in PRIORITIES:  # every series exists from start-up, at 0
-            FRAMES.labels(priority)
-            ACTIVE_SESSIONS.labels(priority).set(0)
+            self._m["FRAMES"].labels(priority)
+            self._m["ACTIVE_SESSIONS"].labels(priority).set(0)
 
     def observe_step(self, priority: str, rows: int, frames: int, seconds: float, deadline_misses: int) -> None:
-        FRAMES.labels(priority).inc(rows * frames)
-        STEP_SECONDS.observe(seconds)
-        BATCH_SIZE.observe(rows)
+        self._m["FRAMES"].labels(priority).inc(rows * frames)
+        self._m["STEP_SECONDS"].observe(seconds)
+        self._m["BATCH_SIZE"].observe(rows)
         if deadline_misses:
-            DEADLINE_MISSES.inc(deadline_misses)
+            self._m["DEADLINE_MISSES"].inc(deadline_misses)
 
     def set_active(self, counts: dict[str, int]) -> None:
         for priority, count in counts.items():
-            ACTIVE_SESSIONS.labels(priority).set(count)
+            self._m["ACTIVE_SESSIONS"].labels(priority).set(count)
 
 
 class FrontendMetrics:
     """What a frontend process records per session and response."""
 
     def __init__(self) -> None:
+        self._m = _metrics()
         for priority in PRIORITIES:
-            RESULT_LATENCY.labels(priority)
+            self._m["RESULT_LATENCY"].labels(priority)
         for reason in REJECT_REASONS:
-            REJECTED.labels(reason)
+            self._m["REJECTED"].labels(reason)
 
     def observe_result(self, priority: str, seconds: float) -> None:
-        RESULT_LATENCY.labels(priority).observe(seconds)
+        self._m["RESULT_LATENCY"].labels(priority).observe(seconds)
 
     def observe_first_result(self, seconds: float) -> None:
-        FIRST_RESULT_LATENCY.observe(seconds)
+        self._m["FIRST_RESULT_LATENCY"].observe(seconds)
 
     def rejected(self, reason: str) -> None:
-        REJECTED.labels(reason).inc()
+        self._m["REJECTED"].labels(reason).inc()
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
     """Expose ``/metrics`` on ``port`` (aggregating all processes when in multiprocess mode)."""
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
@@ -89,5 +103,7 @@ def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
 
 def process_exited(pid: int) -> None:
     """Drop a dead process's live gauges (multiprocess mode)."""
+    from prometheus_client import multiprocess
+
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         multiprocess.mark_process_dead(pid)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 
+from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
 from cosystream.server.frontend import FrontendConfig
-from cosystream.server.local import LocalServer
 from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -21,7 +21,7 @@ from cosystream.v1 import cosystream_pb2 as pb
 def local_server(
     max_sessions: int = 8, max_message_bytes: int = 16 << 20, idle_timeout_s: float = 3.0, **process_kwargs
 ) -> Iterator[LocalServer]:
-    """``process_kwargs``: more ``EngineProcessConfig`` fields (``decoder=DecoderConfig(...)``...)."""
+    """``process_kwargs``: ``decoder=DecoderConfig(...)`` and more ``EngineProcessConfig`` fields."""
     frontend = FrontendConfig(
         host="127.0.0.1",
         port=0,
@@ -91,7 +91,7 @@ class Served:
             [
                 sys.executable,
                 "-m",
-                "cosystream.cli",
+                "cosystream",
                 "serve",
                 "--host",
                 "127.0.0.1",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soxr
 
-from cosystream.server.audio import encode_alaw, encode_mulaw
+from cosystream.audio.codecs import encode_alaw, encode_mulaw
 
 needs_espeak = pytest.mark.skipif(
     shutil.which("espeak-ng") is None, reason="needs espeak-ng (apt-get install espeak-ng)"

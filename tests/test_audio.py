@@ -1,4 +1,4 @@
-"""Decoder, G.711, Resampler and Framer: correctness and the no-buffering-delay property."""
+"""PcmDecoder, G.711, Resampler and Framer: correctness and the no-buffering-delay property."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import soxr
 
-from cosystream.server.audio import (
+from cosystream.audio.codecs import (
     ALAW_TO_INT16,
-    FRAME_SAMPLES,
     MULAW_TO_INT16,
     AudioEncoding,
-    Decoder,
-    Framer,
-    Resampler,
+    PcmDecoder,
     encode_alaw,
     encode_mulaw,
 )
+from cosystream.audio.framing import Framer
+from cosystream.audio.resample import Resampler
+from cosystream.frames import FRAME_SAMPLES
 
 RATES_HZ = [8000, 11025, 22050, 32000, 44100, 48000]
 
@@ -68,18 +68,18 @@ def test_g711_tables_match_known_values() -> None:
 def test_g711_round_trip(encoding, encode, table) -> None:
     # Every code's own level survives encode -> decode exactly.
     levels = (table / 32768.0).astype(np.float32)
-    assert np.array_equal(Decoder(encoding).decode(encode(levels)), levels)
+    assert np.array_equal(PcmDecoder(encoding).decode(encode(levels)), levels)
     # Samples within the top level come back within half of the largest step (1024/32768).
     top = table.max() / 32768.0
     x = np.random.default_rng(0).uniform(-top, top, 20000).astype(np.float32)
-    y = Decoder(encoding).decode(encode(x))
+    y = PcmDecoder(encoding).decode(encode(x))
     assert y.dtype == np.float32 and y.shape == x.shape
     assert np.abs(y - x).max() <= 512 / 32768 + 1e-6
     # Beyond it they clip to the top level.
-    assert Decoder(encoding).decode(encode(np.array([1.0, -1.0, 5.0], np.float32))).tolist() == [top, -top, top]
+    assert PcmDecoder(encoding).decode(encode(np.array([1.0, -1.0, 5.0], np.float32))).tolist() == [top, -top, top]
     # A speech-level sine keeps G.711's ~38 dB SNR.
     s = _tones(8000, 0.5, (440.0,))
-    err = Decoder(encoding).decode(encode(s)) - s
+    err = PcmDecoder(encoding).decode(encode(s)) - s
     assert 10 * np.log10(np.mean(s**2) / np.mean(err**2)) > 30
 
 
@@ -89,7 +89,7 @@ def test_g711_round_trip(encoding, encode, table) -> None:
 def test_linear16_sample_split_across_chunks() -> None:
     pcm = np.array([0, 1, -1, 32767, -32768, 12345, -12345], dtype="<i2")
     data = pcm.tobytes()
-    dec = Decoder(AudioEncoding.LINEAR16)
+    dec = PcmDecoder(AudioEncoding.LINEAR16)
     parts = [dec.decode(data[:3]), dec.decode(data[3:4]), dec.decode(data[4:4]), dec.decode(data[4:])]
     assert [len(p) for p in parts] == [1, 1, 0, 5]
     assert dec.pending_bytes == 0
@@ -102,19 +102,19 @@ def test_linear16_sample_split_across_chunks() -> None:
 def test_linear16_random_chunking_matches_whole() -> None:
     rng = np.random.default_rng(1)
     data = rng.integers(-32768, 32768, 5000).astype("<i2").tobytes()
-    dec = Decoder(AudioEncoding.LINEAR16)
+    dec = PcmDecoder(AudioEncoding.LINEAR16)
     cuts = np.sort(rng.choice(len(data), 60, replace=False))
     parts = [dec.decode(memoryview(data)[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
-    assert np.array_equal(np.concatenate(parts), Decoder(1).decode(data))
+    assert np.array_equal(np.concatenate(parts), PcmDecoder(1).decode(data))
     dec.decode(b"\x01")
     assert dec.pending_bytes == 1
 
 
 def test_unspecified_encoding_is_rejected() -> None:
     with pytest.raises(ValueError, match="UNSPECIFIED"):
-        Decoder(AudioEncoding.UNSPECIFIED)
+        PcmDecoder(AudioEncoding.UNSPECIFIED)
     with pytest.raises(ValueError):
-        Decoder(7)
+        PcmDecoder(7)
 
 
 # --- Resampler -------------------------------------------------------------------------
@@ -262,3 +262,19 @@ def test_framer_exact_multiple_leaves_nothing_pending() -> None:
     assert framer.pending_samples == 0
     assert framer.push(np.ones(159, dtype=np.float32)).shape == (0, FRAME_SAMPLES)
     assert framer.push(np.ones(1, dtype=np.float32)).shape == (1, FRAME_SAMPLES)
+
+
+def test_framer_hands_back_views_of_owned_samples_only_when_nothing_is_pending() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(160 * 9 + 40).astype(np.float32)
+    framer = Framer()
+    owned = x[: 160 * 3 + 40].copy()
+    frames = framer.push(owned, owned=True)
+    assert np.shares_memory(frames, owned) and frames.shape == (3, FRAME_SAMPLES)  # no copy
+    later = x[160 * 3 + 40 :].copy()
+    rest = framer.push(later, owned=True)  # 40 samples pending: the first frame spans two chunks, so copied
+    assert not np.shares_memory(rest, later)
+    got = np.concatenate([frames, rest])
+    assert np.array_equal(got.reshape(-1), x[: len(got) * 160])
+    assert framer.pending_samples == len(x) - len(got) * 160
+    assert not np.shares_memory(framer.push(np.ones(160, np.float32)), framer._buf)

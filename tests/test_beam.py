@@ -11,12 +11,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cosystream.cli import add_decoder_args
+from cosystream.app.cli import add_decoder_args
+from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder
+from cosystream.decoding.config import DecoderConfig, DecoderFactory
+from cosystream.decoding.greedy import CtcDecoder
+from cosystream.decoding.lexicon import Lexicon
+from cosystream.decoding.lm import NgramLm
 from cosystream.models.loading import DEFAULT_MODEL_DIR
-from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon
-from cosystream.server.ctc import CtcDecoder
-from cosystream.server.decoding import DecoderConfig, DecoderFactory
-from cosystream.server.lm import NgramLm
 from training.lm import _discounts, interpolate, kneser_ney, perplexity, write_arpa
 from training.text import wordnet_examples
 

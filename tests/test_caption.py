@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from clients import caption
+from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
-from cosystream.server.local import LocalServer
 from cosystream.v1 import cosystream_pb2 as pb
 from tests.speech import needs_espeak, silence, speech
 

@@ -14,10 +14,10 @@ import grpc
 import numpy as np
 import pytest
 
+from cosystream.audio.codecs import MULAW_TO_INT16, AudioEncoding
+from cosystream.audio.wav import is_wav, parse_wav_header
 from cosystream.server import compat
-from cosystream.server.audio import MULAW_TO_INT16, AudioEncoding
 from cosystream.server.compat.bridge import Downmixer
-from cosystream.server.compat.wav import is_wav, parse_wav_header
 from tests.servers import local_server
 from tests.speech import encode, needs_espeak, silence, speech
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from cosystream.server.ctc import CtcDecoder, Word
+from cosystream.decoding.greedy import CtcDecoder, Word
 
 VOCAB = ["<blank>", " ", *"abcdefghijklmnopqrstuvwxyz", "'"]
 ID = {s: i for i, s in enumerate(VOCAB)}

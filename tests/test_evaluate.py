@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from cosystream.evaluate import edit_distance, evaluate, normalize, telephone, tilt
+from cosystream.app.evaluate import edit_distance, evaluate, normalize, telephone, tilt
 from tests.speech import needs_espeak
 
 
@@ -61,7 +61,7 @@ def test_eval_command_on_a_directory(tmp_path):
         [
             sys.executable,
             "-m",
-            "cosystream.cli",
+            "cosystream",
             "--log-level",
             "ERROR",
             "eval",

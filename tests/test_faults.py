@@ -164,7 +164,7 @@ def test_serve_that_cannot_start_says_why_in_one_line_and_exits(tmp_path, args, 
     args = [a.replace("{empty}", str(tmp_path)) for a in args]
     started = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "cosystream.cli", "serve", "--port", "0", "--metrics-port", "0", *args],
+        [sys.executable, "-m", "cosystream", "serve", "--port", "0", "--metrics-port", "0", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -482,7 +482,7 @@ def test_transcribe_takes_every_wav_encoding_and_explains_the_rest(tmp_path):
 
     def transcribe(path: Path, address: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "cosystream.cli", "transcribe", str(path), "--server", address],
+            [sys.executable, "-m", "cosystream", "transcribe", str(path), "--server", address],
             capture_output=True,
             text=True,
             timeout=60,

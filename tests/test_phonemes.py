@@ -8,9 +8,10 @@ import itertools
 
 import pytest
 
-from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon, read_spellings
-from cosystream.server.decoding import LEXICON_FILE, LM_FILE, DecoderConfig, DecoderFactory
-from cosystream.server.lm import NgramLm
+from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder
+from cosystream.decoding.config import LEXICON_FILE, LM_FILE, DecoderConfig, DecoderFactory
+from cosystream.decoding.lexicon import Lexicon, read_spellings
+from cosystream.decoding.lm import NgramLm
 from tests.test_beam import VOCAB, decode, frames
 from training.lm import kneser_ney, write_arpa
 

@@ -26,9 +26,24 @@ class FakeClock:
         return self.now
 
 
+# The policy cases below are written for these settings (the served defaults batch realtime frames for 6 ms
+# and allow T=2 and a larger catch-up, which these cases would only obscure).
+UNIT = {
+    "frame_buckets": (1, 4, 16),
+    "realtime_max_frames": 4,
+    "batch_frames": 16,
+    "deadline_s": 0.1,
+    "realtime_batch_window_s": 0.0,
+}
+
+
+def unit_config(**config) -> SchedulerConfig:
+    return SchedulerConfig(**{**UNIT, **config})
+
+
 def make(**config) -> tuple[Scheduler, FakeClock]:
     clock = FakeClock()
-    return Scheduler(SchedulerConfig(**config), clock=clock), clock
+    return Scheduler(unit_config(**config), clock=clock), clock
 
 
 def open_session(sched: Scheduler, slot: int, priority: Priority) -> None:
@@ -58,6 +73,7 @@ def test_config_checks():
         {"max_batch": 0},
         {"max_sessions": 0},
         {"realtime_max_frames": 0},
+        {"deadline_s": 0.004, "realtime_batch_window_s": 0.006},
         {"deadline_s": 0.0},
         {"batch_step_budget_s": -1.0},
         {"cost_ema_alpha": 0.0},
@@ -354,7 +370,7 @@ def test_misuse_raises():
 @pytest.mark.parametrize("seed", range(8))
 def test_randomized_invariants(seed):
     rng = random.Random(seed)
-    config = SchedulerConfig(
+    config = unit_config(
         max_sessions=rng.choice([4, 16, 40]),
         max_batch=rng.choice([1, 3, 8, 64]),
         deadline_s=0.05,
@@ -462,7 +478,7 @@ def test_randomized_invariants(seed):
 
 def test_realtime_batch_window_gathers_rows():
     clock = FakeClock()
-    sched = Scheduler(SchedulerConfig(max_sessions=8, max_batch=3, realtime_batch_window_s=0.004), clock=clock)
+    sched = Scheduler(unit_config(max_sessions=8, max_batch=3, realtime_batch_window_s=0.004), clock=clock)
     for slot in range(4):
         open_session(sched, slot, RT)
     sched.add_frames(0, 1, 0.000)

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cosystream.decoding.beam import BeamConfig
+from cosystream.decoding.config import DecoderConfig
 from cosystream.models.loading import DEFAULT_MODEL_DIR
-from cosystream.server.beam import BeamConfig
-from cosystream.server.decoding import DecoderConfig
 from cosystream.server.session import Session
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc

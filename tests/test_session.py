@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cosystream.audio.codecs import AudioEncoding
+from cosystream.audio.endpointing import EndpointingConfig
+from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_SAMPLES
-from cosystream.server.audio import AudioEncoding
-from cosystream.server.ctc import CtcDecoder
 from cosystream.server.session import END_CONTEXT_FRAMES, Session, SessionConfig
-from cosystream.server.vad import EndpointingConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from tests.conftest import speech_like
 

@@ -33,8 +33,8 @@ import pytest
 from clients.telephony import sip
 from clients.telephony.rtp import JitterBuffer, PortPool, RtpPacket, parse_rtp
 from clients.telephony.sdp import answer_sdp, negotiate
+from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
-from cosystream.server.local import LocalServer
 from tests.speech import encode, needs_espeak, silence, speech
 
 REPO = Path(__file__).resolve().parent.parent

@@ -246,13 +246,13 @@ def test_a_batch_is_the_same_whichever_process_makes_it(trained):
     """Augmentation is seeded per batch, so --workers changes the speed of a run, not its data."""
     import random
 
-    from training import train
+    from training import data, train
 
-    corpus = train.Corpus(trained.parent / "corpus")
+    corpus = data.Corpus(trained.parent / "corpus")
     names = corpus.refresh()
-    batches = train.make_batches(corpus.items(names), 6.0, 12.0, random.Random(0))
+    batches = data.make_batches(corpus.items(names), 6.0, 12.0, random.Random(0))
     vocab = {c: i for i, c in enumerate(train.default_config().vocabulary)}
-    source = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)
+    source = data.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)
 
     def load(workers: int) -> list[dict]:
         loader = torch.utils.data.DataLoader(source, batch_size=None, num_workers=workers)
@@ -265,7 +265,7 @@ def test_a_batch_is_the_same_whichever_process_makes_it(trained):
             assert torch.equal(a[key], b[key]), key
     assert here[0]["time_mask"].any() and here[0]["freq_mask"].any()
     # Another epoch (or seed) draws other augmentations of the same utterances.
-    other = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=2, first=0, augment_on=True)[0]
+    other = data.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=2, first=0, augment_on=True)[0]
     assert torch.equal(other["targets"], here[0]["targets"]) and not torch.equal(other["audio"], here[0]["audio"])
 
 
@@ -277,7 +277,7 @@ def test_vtlp_warps_the_spectrum_under_the_mel_filters(trained):
 
     from cosystream.models.conv_ctc import ConvCtcModel
     from cosystream.models.features import hz_to_mel
-    from training import train
+    from training import data, train
     from training.augment import warped_log_mel
 
     model = ConvCtcModel(train.default_config())
@@ -291,11 +291,11 @@ def test_vtlp_warps_the_spectrum_under_the_mel_filters(trained):
     assert peaks == [int(np.argmin(abs(centres - hz_to_mel(f)))) for f in (1000, 1100, 900)]
     assert len(set(peaks)) == 3
 
-    corpus = train.Corpus(trained.parent / "corpus")
-    batches = train.make_batches(corpus.items(corpus.refresh()), 20.0, 12.0, random.Random(0))
+    corpus = data.Corpus(trained.parent / "corpus")
+    batches = data.make_batches(corpus.items(corpus.refresh()), 20.0, 12.0, random.Random(0))
     vocab = {ch: i for i, ch in enumerate(c.vocabulary)}
-    plain = train.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)[0]
-    warped = train.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, vtlp=0.1)[0]
+    plain = data.BatchSource(corpus, batches, vocab, 80, seed=3, epoch=1, first=0, augment_on=True)[0]
+    warped = data.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, vtlp=0.1)[0]
     assert plain["warp"] is None
     warp = warped["warp"]
     assert warp.shape == (len(batches[0]),) and ((warp >= 0.9) & (warp <= 1.1)).all() and (warp != 1).any()
@@ -312,7 +312,7 @@ def test_channel_colouring_is_the_filtered_waveforms_features(trained):
     import random
 
     from cosystream.models.conv_ctc import ConvCtcModel
-    from training import train
+    from training import data, train
     from training.augment import channel_gains_db, colour_features, mel_centres_hz
 
     model = ConvCtcModel(train.default_config())
@@ -336,12 +336,12 @@ def test_channel_colouring_is_the_filtered_waveforms_features(trained):
         assert error_db[above].abs().max() < 1.0, error_db
         assert ((heard - plain).mean(0) / model.features.scale * 10 / np.log(10))[above].abs().max() > 3.0
 
-    corpus = train.Corpus(trained.parent / "corpus")
-    batches = train.make_batches(corpus.items(corpus.refresh()), 20.0, 12.0, random.Random(0))
+    corpus = data.Corpus(trained.parent / "corpus")
+    batches = data.make_batches(corpus.items(corpus.refresh()), 20.0, 12.0, random.Random(0))
     vocab = {ch: i for i, ch in enumerate(c.vocabulary)}
-    plain = train.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, vtlp=0.1)[0]
+    plain = data.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, vtlp=0.1)[0]
     assert plain["colour"] is None
-    coloured = train.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, 0.1, 0.5, centres)[0]
+    coloured = data.BatchSource(corpus, batches, vocab, 80, 3, 1, 0, True, 0.1, 0.5, centres)[0]
     assert coloured["colour"].shape == (len(batches[0]), c.n_mels)
     for key in ("audio", "time_mask", "freq_mask", "warp"):
         assert torch.equal(plain[key], coloured[key]), key
@@ -350,7 +350,7 @@ def test_channel_colouring_is_the_filtered_waveforms_features(trained):
 def test_eval_groups_become_a_test_set_for_cosystream_eval(trained, tmp_path):
     """``training.eval_set`` writes an evaluation group as WAV + transcript pairs that ``cosystream eval``
     reads back: the same samples, the same texts."""
-    from cosystream.evaluate import load_set
+    from cosystream.app.evaluate import load_set
     from training.corpus import load_shard
     from training.eval_set import main
 
@@ -485,7 +485,7 @@ def test_phoneme_units_get_a_fresh_output_layer_on_the_trained_body(trained, tmp
     """``--lexicon`` turns the vocabulary into the lexicon's phoneme units: ``--init``'s output layer is
     replaced, the rest kept, and ``--head-only-steps`` trains the new layer alone before the body joins.
     ``training.export --lexicon`` ships the lexicon, and the model directory then decodes with it."""
-    from cosystream.server.decoding import LEXICON_FILE, DecoderConfig
+    from cosystream.decoding.config import LEXICON_FILE, DecoderConfig
     from training import export, phonemes, train
 
     lexicon, _ = phonemes.build(w for s in SENTENCES for w in s.split())
@@ -587,10 +587,10 @@ def test_prior_correction_shifts_the_output_bias_by_the_weighted_log_prior(train
 def test_tune_scores_every_grid_point_on_each_set_and_half(trained, tmp_path):
     """``training.tune`` decodes the default model's outputs once per grid point: a half-set scores only
     its half, and the word bonus moves the scores it reports as ``cosystream eval`` would."""
-    from cosystream.evaluate import evaluate
+    from cosystream.app.evaluate import evaluate
+    from cosystream.decoding.beam import BeamConfig
+    from cosystream.decoding.config import DecoderConfig
     from cosystream.models.loading import DEFAULT_MODEL_DIR
-    from cosystream.server.beam import BeamConfig
-    from cosystream.server.decoding import DecoderConfig
     from training import eval_set, tune
 
     default = str(DEFAULT_MODEL_DIR)

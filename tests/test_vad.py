@@ -10,16 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cosystream.audio.codecs import AudioEncoding, PcmDecoder
+from cosystream.audio.endpointing import Decision, Endpointer, EndpointingConfig, EndReason
+from cosystream.audio.framing import Framer, FrameRing
+from cosystream.audio.resample import Resampler
+from cosystream.audio.vad import Vad
 from cosystream.frames import FRAME_SAMPLES
-from cosystream.server.audio import AudioEncoding, Decoder, Framer, Resampler
-from cosystream.server.vad import (
-    Decision,
-    Endpointer,
-    EndpointingConfig,
-    EndReason,
-    FrameRing,
-    Vad,
-)
 
 # 20 pre-roll frames, 3 frames to start, 50 frames of silence to end, 100 frames max.
 CFG = EndpointingConfig(silence_ms=500, max_utterance_ms=1000, preroll_ms=200, speech_start_ms=30)
@@ -54,7 +50,7 @@ def speech_16k(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
         assert w.getnchannels() == 1 and w.getsampwidth() == 2
         rate_hz, data = w.getframerate(), w.readframes(w.getnframes())
     resampler = Resampler(rate_hz)
-    x = Decoder(AudioEncoding.LINEAR16).decode(data)
+    x = PcmDecoder(AudioEncoding.LINEAR16).decode(data)
     return np.concatenate([resampler.process(x), resampler.flush()])
 
 
@@ -86,7 +82,7 @@ def test_pipeline_finds_one_utterance_in_padded_tts(speech_16k: np.ndarray) -> N
     silence = np.zeros(16000, dtype=np.float32)
     audio = np.concatenate([silence, speech_16k, silence])
     pcm = (audio * 32767).astype("<i2").tobytes()
-    decoder, resampler, framer = Decoder(AudioEncoding.LINEAR16), Resampler(16000), Framer()
+    decoder, resampler, framer = PcmDecoder(AudioEncoding.LINEAR16), Resampler(16000), Framer()
     vad, ep = Vad(2), Endpointer(EndpointingConfig())
     ring = FrameRing(ep.max_forward_frames)
     forwarded: list[np.ndarray] = []

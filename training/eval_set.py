@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cosystream.transcribe import write_wav
+from cosystream.app.transcribe import write_wav
 from training.corpus import HELD_OUT, load_shard
 
 

@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.save({**light, "model": model.state_dict()}, args.save_checkpoint)
     if args.no_eval:
         return
-    from cosystream.server.decoding import DecoderConfig, DecoderFactory
-    from training.train import HELD_OUT, evaluate, load_eval
+    from cosystream.decoding.config import DecoderConfig, DecoderFactory
+    from training.corpus import HELD_OUT
+    from training.data import load_eval
+    from training.evaluation import evaluate
 
     loaded, groups = load_model(args.out), load_eval(args.corpus)
     spelled = groups if units is None else {g: (a, [units(t) for t in texts]) for g, (a, texts) in groups.items()}

@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-from cosystream.server.beam import read_spellings as read_lexicon
-from cosystream.server.lm import NgramLm
+from cosystream.decoding.lexicon import read_spellings as read_lexicon
+from cosystream.decoding.lm import NgramLm
 
 _SYNCHRONOUS = 0x02
 _CHARS_UTF8 = 1

@@ -29,7 +29,7 @@ import torch
 
 from cosystream.models import load_model, save_model
 from cosystream.models.conv_ctc import ConvCtcModel
-from training.train import Corpus
+from training.data import Corpus
 
 PRIOR_FILE = "prior.json"
 COPIED = ("lexicon.tsv.gz", "lm.arpa.gz")

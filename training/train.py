@@ -11,6 +11,9 @@ one line per logging interval (training loss, learning rate, audio seconds seen)
 the weights with the lowest mean held-out-voice CER.
 Uses CUDA when available; on CPU it runs on ``--threads`` threads (default 1). ``--minutes`` time-boxes a
 run (the learning-rate schedule then follows the time spent), e.g. on a rented GPU (``training/gpu.sh``).
+
+This module is the command line and a run's set-up (config, corpus, model: resumed, ``--init`` or fresh);
+the loop is ``training.loop``, the batches ``training.data``, the held-out scoring ``training.evaluation``.
 """
 
 from __future__ import annotations
@@ -20,11 +23,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
-import os
-import random
-import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,25 +30,16 @@ import torch
 
 from cosystream.models import load_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
-from training.augment import (
-    apply_masks,
-    augment,
-    channel_gains_db,
-    colour_features,
-    mel_centres_hz,
-    spec_masks,
-    telephone,
-    warp_factors,
-    warped_log_mel,
-)
-from training.corpus import HELD_OUT, load_shard
+from training.augment import augment, mel_centres_hz
+from training.data import Corpus
+from training.loop import Progress, RunConfig, RunLog, Trainer
 from training.phonemes import lexicon_lines, read_lexicon, to_units
 from training.phonemes import vocabulary as unit_vocabulary
+from training.prior import undo_prior
 
 ROOT = Path(__file__).resolve().parent.parent
 # A letter model's vocabulary: CTC blank, word separator, apostrophe, a-z (text.py normalizes to these).
 LETTERS = ["<blank>", " ", "'", *"abcdefghijklmnopqrstuvwxyz"]
-HOP = 160
 
 
 def default_config(**overrides) -> ConvCtcConfig:
@@ -58,240 +47,6 @@ def default_config(**overrides) -> ConvCtcConfig:
     base["vocabulary"] = LETTERS
     base.update(overrides)
     return ConvCtcConfig.from_dict(base)
-
-
-# ---------------------------------------------------------------- data
-
-
-class Corpus:
-    """All training shards in memory (int16); rescanned for new shards at every epoch."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.shards: dict[str, tuple[np.ndarray, np.ndarray, list[str], list[str]]] = {}
-
-    def refresh(self) -> list[str]:
-        for path in sorted((self.directory / "train").glob("shard_*.npz")):
-            if path.name.endswith(".tmp.npz") or path.name in self.shards:
-                continue
-            try:
-                self.shards[path.name] = load_shard(path)
-            except (OSError, ValueError, KeyError):
-                continue  # being written
-        return sorted(self.shards)
-
-    def items(self, names: list[str]) -> list[tuple[str, int, int]]:
-        """``(shard, index, samples)`` of every utterance in the given shards."""
-        out = []
-        for name in names:
-            _, offsets, _, _ = self.shards[name]
-            lengths = np.diff(offsets)
-            out += [(name, i, int(n)) for i, n in enumerate(lengths)]
-        return out
-
-    def get(self, name: str, index: int) -> tuple[np.ndarray, str]:
-        audio, offsets, texts, _ = self.shards[name]
-        return audio[offsets[index] : offsets[index + 1]].astype(np.float32) / 32768.0, texts[index]
-
-
-def make_batches(items, max_seconds: float, max_utterance_s: float, rng: random.Random) -> list[list]:
-    """Length-bucketed batches holding at most ``max_seconds`` of (padded) audio, in random order."""
-    keyed = sorted(items, key=lambda it: it[2] * rng.uniform(0.9, 1.1))
-    keyed = [it for it in keyed if it[2] <= max_utterance_s * 16000]
-    batches, current, longest = [], [], 0
-    for it in keyed:
-        longest_new = max(longest, it[2])
-        if current and longest_new * (len(current) + 1) > max_seconds * 16000:
-            batches.append(current)
-            current, longest_new = [], it[2]
-        current.append(it)
-        longest = longest_new
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
-
-
-def encode_text(text: str, vocab: dict[str, int]) -> list[int]:
-    return [vocab[c] for c in text if c in vocab]
-
-
-class BatchSource(torch.utils.data.Dataset):
-    """Batch ``i`` of an epoch's plan, augmented with a generator seeded from ``(seed, epoch, i)``: the same
-    batch whichever process makes it (``--workers``) and after a resume.
-
-    An item is a dict: ``audio [B, N]`` (zero-padded), ``in_lengths`` (frames), ``targets`` (flat),
-    ``tgt_lengths``, ``seconds`` (unpadded audio), and ``time_mask [B, T]`` / ``freq_mask [B, n_mels]`` for
-    SpecAugment, ``warp [B]`` VTLP factors (``None`` without augmentation or ``vtlp``) and ``colour [B, n_mels]``
-    channel gains in dB at ``mel_centres_hz`` (``None`` without augmentation or ``channel_eq``).
-    ``tail_frames`` of silence follow every utterance (a model with lookahead outputs that much later)."""
-
-    def __init__(
-        self,
-        corpus,
-        batches,
-        vocab,
-        n_mels: int,
-        seed: int,
-        epoch: int,
-        first: int,
-        augment_on: bool,
-        vtlp: float = 0.0,
-        channel_eq: float = 0.0,
-        mel_centres_hz: np.ndarray | None = None,
-        units=None,
-        tail_frames: int = 0,
-    ):
-        self.tail_frames = tail_frames
-        self.corpus, self.batches, self.vocab, self.n_mels = corpus, batches, vocab, n_mels
-        self.units = units  # text -> the model's unit string (phonemes); None: the text itself
-        self.seed, self.epoch, self.first, self.augment_on, self.vtlp = seed, epoch, first, augment_on, vtlp
-        self.channel_eq, self.mel_centres_hz = channel_eq, mel_centres_hz
-
-    def __len__(self) -> int:
-        return len(self.batches) - self.first
-
-    def __getitem__(self, i: int) -> dict:
-        index = self.first + i
-        rng = np.random.default_rng([self.seed, self.epoch, index])
-        pcms, targets = [], []
-        for name, idx, _ in self.batches[index]:
-            pcm, text = self.corpus.get(name, idx)
-            pcms.append(augment(pcm, rng) if self.augment_on else pcm)
-            targets.append(encode_text(text if self.units is None else self.units(text), self.vocab))
-        audio = torch.zeros(len(pcms), max(x.size for x in pcms) + self.tail_frames * HOP)
-        for row, x in enumerate(pcms):
-            audio[row, : x.size] = torch.from_numpy(x)
-        frames = [x.size // HOP + self.tail_frames for x in pcms]
-        masks = (None, None)
-        if self.augment_on:
-            masks = tuple(torch.from_numpy(m) for m in spec_masks(frames, self.n_mels, rng, audio.shape[1] // HOP))
-        warp = None
-        if self.augment_on and self.vtlp > 0:
-            warp = torch.from_numpy(warp_factors(len(pcms), rng, self.vtlp))
-        colour = None
-        if self.augment_on and self.channel_eq > 0:
-            colour = torch.from_numpy(channel_gains_db(len(pcms), self.mel_centres_hz, rng, self.channel_eq))
-        return {
-            "audio": audio,
-            "in_lengths": torch.tensor(frames),
-            "targets": torch.tensor([c for t in targets for c in t], dtype=torch.long),
-            "tgt_lengths": torch.tensor([len(t) for t in targets]),
-            "seconds": float(sum(x.size for x in pcms)) / 16000,
-            "time_mask": masks[0],
-            "freq_mask": masks[1],
-            "warp": warp,
-            "colour": colour,
-        }
-
-
-def _one_thread(_worker: int) -> None:
-    torch.set_num_threads(1)
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def edit_distance(a: list, b: list) -> int:
-    prev = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        cur = [i] + [0] * len(b)
-        for j, y in enumerate(b, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y))
-        prev = cur
-    return prev[-1]
-
-
-def greedy_decode(logits: torch.Tensor, length: int, vocabulary: list[str]) -> str:
-    ids = logits[:length].argmax(-1).tolist()
-    out, last = [], 0
-    for i in ids:
-        if i != last and i != 0:
-            out.append(vocabulary[i])
-        last = i
-    return " ".join("".join(out).split())
-
-
-def load_eval(
-    directory: Path, limit: int | None = None, units=None
-) -> dict[str, tuple[list[np.ndarray], list[str]]]:
-    """The corpus' evaluation groups; ``units`` maps their texts to the model's units (phonemes)."""
-    groups = {}
-    for path in sorted((directory / "eval").glob("*.npz")):
-        audio, offsets, texts, _ = load_shard(path)
-        n = len(texts) if limit is None else min(limit, len(texts))
-        groups[path.stem] = (
-            [audio[offsets[i] : offsets[i + 1]].astype(np.float32) / 32768.0 for i in range(n)],
-            texts[:n] if units is None else [units(t) for t in texts[:n]],
-        )
-    return groups
-
-
-@torch.no_grad()
-def evaluate(
-    model: ConvCtcModel,
-    groups,
-    device,
-    telephone_too: bool = True,
-    batch_seconds: float = 120.0,
-    examples: int = 0,
-    decoders=None,
-) -> dict:
-    """WER/CER per group (``<group>`` at 16 kHz, ``<group>@8k-mulaw`` after a phone round trip).
-
-    Greedy decoding, or ``decoders()`` (a ``cosystream.server.decoding.DecoderFactory``) fed the top-k
-    log-probabilities of each frame, as the server does."""
-    model.eval()
-    results = {}
-    conditions = [("", None)] + ([("@8k-mulaw", "mulaw")] if telephone_too else [])
-    for name, (audios, texts) in groups.items():
-        for suffix, codec in conditions:
-            pcms = [a if codec is None else telephone(a * 0.9, codec) for a in audios]
-            # Trailing 0.3 s of silence so the causal model can emit the last characters.
-            pcms = [np.concatenate([p, np.zeros(4800, np.float32)]) for p in pcms]
-            order = sorted(range(len(pcms)), key=lambda i: pcms[i].size)
-            hyps: dict[int, str] = {}
-            i = 0
-            while i < len(order):
-                j = i
-                while j < len(order) and pcms[order[j]].size * (j - i + 1) <= batch_seconds * 16000:
-                    j += 1
-                j = max(j, i + 1)
-                idx = order[i:j]
-                longest = max(pcms[k].size for k in idx)
-                batch = torch.zeros(len(idx), longest)
-                for row, k in enumerate(idx):
-                    batch[row, : pcms[k].size] = torch.from_numpy(pcms[k])
-                logits = model(batch.to(device)).cpu()
-                for row, k in enumerate(idx):
-                    frames = pcms[k].size // HOP
-                    if decoders is None:
-                        hyps[k] = greedy_decode(logits[row], frames, model.vocabulary)
-                        continue
-                    best = torch.log_softmax(logits[row, :frames].float(), -1).topk(decoders.config.top_k, -1)
-                    decoder = decoders()
-                    decoder.push(best.indices.numpy(), best.values.numpy(), 0)
-                    decoder.finalize()
-                    hyps[k] = decoder.text
-                i = j
-            words = chars = werr = cerr = 0
-            for k, ref in enumerate(texts):
-                werr += edit_distance(hyps[k].split(), ref.split())
-                cerr += edit_distance(list(hyps[k]), list(ref))
-                words += len(ref.split())
-                chars += len(ref)
-            entry = {"wer": werr / max(1, words), "cer": cerr / max(1, chars), "n": len(texts)}
-            if examples:
-                entry["examples"] = [[texts[k], hyps[k]] for k in range(min(examples, len(texts)))]
-            results[name + suffix] = entry
-    held = [v for k, v in results.items() if k.split("@")[0] in HELD_OUT] or list(results.values())
-    if held:
-        results["held_out_mean"] = {
-            "wer": float(np.mean([v["wer"] for v in held])),
-            "cer": float(np.mean([v["cer"] for v in held])),
-        }
-    model.train()
-    return results
 
 
 # ---------------------------------------------------------------- training
@@ -313,25 +68,6 @@ def feature_stats(model: ConvCtcModel, corpus: Corpus, names: list[str], rng: np
     mean = allf.mean(0)
     std = allf.std(0).clamp_min(1e-3)
     return mean, 1.0 / std
-
-
-def lr_at(
-    step: int, peak: float, warmup: int, total: int, floor: float = 0.03, progress: float | None = None
-) -> float:
-    """Linear warmup over ``warmup`` steps, then a cosine to ``floor * peak`` over the rest of ``total``
-    steps, or, when given, over ``progress`` (0..1, e.g. the fraction of a time budget spent)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if progress is None:
-        progress = (step - warmup) / max(1, total - warmup)
-    progress = min(1.0, progress)
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def save_checkpoint(path: Path, **state) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 def model_and_optimizer(
@@ -382,7 +118,25 @@ def deepen(
     return grown, state
 
 
+# ---------------------------------------------------------------- a run, step by step
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Train a run, or resume it (see the module docstring)."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    log = RunLog(args.run)
+    setup = build_config(args)
+    corpus, names = load_corpus(args.corpus)
+    model, opt, config, progress = build_model(args, setup, corpus, names, device, log)
+    trainer = Trainer(args, setup, config, model, opt, progress, corpus, device, log)
+    trainer.train()
+    trainer.finish()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: every flag and its default are stated here, and only here."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     p.add_argument("--run", type=Path, default=Path("runs/en1"))
@@ -472,86 +226,46 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast for the network (about 2x faster on CPUs with AMX)"
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.run.mkdir(parents=True, exist_ok=True)
-    log_path = args.run / "log.jsonl"
-    started = time.time()
 
-    def log(record: dict) -> None:
-        record = {"time": round(time.time(), 1), "wall_s": round(time.time() - started, 1), **record}
-        with log_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
-
+def build_config(args: argparse.Namespace) -> RunConfig:
+    """The default model config with ``--config``'s overrides, and the targets: letters, or ``--lexicon``'s
+    phoneme units."""
     overrides = json.loads(args.config)
     config = default_config(**overrides)
-    units, lexicon_digest = None, None
+    lexicon, units, digest = None, None, None
     if args.lexicon is not None:
         lexicon = read_lexicon(args.lexicon)
         units = functools.partial(to_units, lexicon=lexicon)
-        lexicon_digest = hashlib.sha256("".join(lexicon_lines(lexicon)).encode()).hexdigest()
-    # The mel filters' centres, where --channel-eq's gains apply: fixed by the config, drawn on every epoch.
+        digest = hashlib.sha256("".join(lexicon_lines(lexicon)).encode()).hexdigest()
+    # Fixed by this config (not an --init or resumed one's), drawn on every epoch.
     centres_hz = mel_centres_hz(config.n_mels, config.f_min_hz, config.f_max_hz)
-    corpus = Corpus(args.corpus)
+    return RunConfig(config, overrides, lexicon, units, digest, centres_hz)
+
+
+def load_corpus(directory: Path) -> tuple[Corpus, list[str]]:
+    """The training shards in memory, and their names; exits if there are none."""
+    corpus = Corpus(directory)
     names = corpus.refresh()
     if not names:
-        raise SystemExit(f"no shards under {args.corpus / 'train'}")
+        raise SystemExit(f"no shards under {directory / 'train'}")
+    return corpus, names
 
-    # Weights: a run resumes from its last.pt, or starts from --init's weights, or from scratch.
-    last_path = args.run / "last.pt"
-    ck = torch.load(last_path, weights_only=False) if last_path.exists() else None
-    # Its targets must stay what they were: the same pronunciations (or letters) it started with.
-    if ck is not None and ck.get("lexicon", lexicon_digest) != lexicon_digest:
-        if not ck["lexicon"]:
-            started_with = "letters (no --lexicon)"
-        elif lexicon_digest:
-            started_with = "another --lexicon"
-        else:
-            started_with = "a --lexicon"
-        raise SystemExit(f"{last_path} was trained with {started_with}: resume it with the same targets")
-    weights = None
-    if ck is not None:
-        config, weights = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
-    elif args.init is not None and args.init.is_dir():  # a model directory, e.g. the shipped default model
-        from training.prior import undo_prior
 
-        shipped = load_model(args.init)
-        if undo_prior(shipped, args.init):
-            print(f"{args.init}: its prior correction taken out of the output layer before training")
-        config, weights = shipped.config, shipped.state_dict()
-    elif args.init is not None:
-        init = torch.load(args.init, weights_only=False)
-        config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
-    if units is not None and ck is None:  # (a resumed run's config has them already)
-        config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(lexicon)))
-    if units is None and not set(LETTERS) <= set(config.vocabulary):
-        raise SystemExit(
-            "the model's tokens are not letters (a phoneme model?): pass the --lexicon it was trained with"
-        )
-    vocab = {c: i for i, c in enumerate(config.vocabulary)}
-    deeper = overrides.get("dilations")
-    if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
-        config, weights = deepen(config, weights, tuple(deeper), args.seed, overrides.get("lookahead_blocks", 0))
-    elif ck is None and weights is not None and "lookahead_blocks" in overrides:
-        # The model's own last blocks centred: their skips move back, and the fine-tune re-learns around them.
-        config = dataclasses.replace(config, lookahead_blocks=overrides["lookahead_blocks"])
+def build_model(
+    args: argparse.Namespace, setup: RunConfig, corpus: Corpus, names: list[str], device: torch.device, log: RunLog
+) -> tuple[ConvCtcModel, torch.optim.AdamW, ConvCtcConfig, Progress]:
+    """The model and its optimizer on ``device``, their config, and where the run stands: resumed from its
+    ``last.pt``, or new (from ``--init``'s weights, or from scratch with features normalized on the corpus)."""
+    ck = load_last(args.run / "last.pt", setup.lexicon_digest)
+    config, weights = starting_weights(args, setup, ck)
     model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
-
     torch.manual_seed(args.seed)
-    step, epoch, batch_index, audio_seen, train_seconds = 0, 0, 0, 0.0, 0.0
-    epoch_shards: list[str] | None = None
-    best_cer = float("inf")
     if ck is not None:
-        opt.load_state_dict(ck["optimizer"])
-        step, epoch, batch_index = ck["step"], ck["epoch"], ck["batch_index"]
-        audio_seen, train_seconds, best_cer = ck["audio_seen"], ck["train_seconds"], ck["best_cer"]
-        epoch_shards = ck["epoch_shards"]
-        torch.set_rng_state(ck["rng"]["torch_global"])
-        log({"event": "resumed", "step": step, "epoch": epoch, "batch_index": batch_index})
+        progress = resume(ck, opt, log)
     else:
+        progress = Progress()
         if weights is None:
             shift, scale = feature_stats(model, corpus, names, np.random.default_rng(args.seed))
             model.features.shift.copy_(shift)
@@ -572,184 +286,63 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in state.items():
             if torch.is_tensor(v):
                 state[k] = v.to(device)
-    ctc = torch.nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
-    eval_groups = load_eval(args.corpus, args.eval_limit, units)
-    budget_s = None if args.minutes is None else args.minutes * 60
-    # A time-boxed run stops on time (or at an explicit --max-steps), never at the default --total-steps.
-    max_steps = args.max_steps or (None if budget_s else args.total_steps)
+    return model, opt, config, progress
 
-    def checkpoint(path: Path) -> None:
-        save_checkpoint(
-            path,
-            model={k: v.cpu() for k, v in model.state_dict().items()},
-            optimizer=opt.state_dict(),
-            config=json.loads(config.to_json()),
-            step=step,
-            epoch=epoch,
-            batch_index=batch_index,
-            epoch_shards=epoch_shards,
-            audio_seen=audio_seen,
-            train_seconds=train_seconds,
-            best_cer=best_cer,
-            rng={"torch_global": torch.get_rng_state()},
-            lexicon=lexicon_digest,  # sha256 of the --lexicon's lines (None: letters)
-        )
 
-    def run_eval() -> None:
-        nonlocal best_cer
-        t0 = time.time()
-        res = evaluate(model, eval_groups, device, examples=2)
-        log(
-            {
-                "event": "eval",
-                "step": step,
-                "epoch": epoch,
-                "audio_hours": round(audio_seen / 3600, 2),
-                "eval_s": round(time.time() - t0, 1),
-                "results": res,
-            }
-        )
-        cer = res["held_out_mean"]["cer"]
-        if cer < best_cer:
-            best_cer = cer
-            checkpoint(args.run / "best.pt")
-            log({"event": "best", "step": step, "held_out_mean": res["held_out_mean"]})
-
-    def progress() -> float:
-        return train_seconds / budget_s if budget_s else step / max(1, args.total_steps)
-
-    def more() -> bool:
-        return (max_steps is None or step < max_steps) and (budget_s is None or train_seconds < budget_s)
-
-    last_ckpt = last_eval = time.time()
-    loss_sum = loss_n = 0.0
-    t_interval = time.time()
-    body_frozen = False  # by --head-only-steps
-    model.train()
-    while more():
-        if epoch_shards is None:
-            epoch_shards = corpus.refresh()
-            batch_index = 0
+def load_last(path: Path, lexicon_digest: str | None) -> dict | None:
+    """The run's checkpoint to resume from (None: a new run); exits if it was trained on other targets."""
+    ck = torch.load(path, weights_only=False) if path.exists() else None
+    # Its targets must stay what they were: the same pronunciations (or letters) it started with.
+    if ck is not None and ck.get("lexicon", lexicon_digest) != lexicon_digest:
+        if not ck["lexicon"]:
+            started_with = "letters (no --lexicon)"
+        elif lexicon_digest:
+            started_with = "another --lexicon"
         else:
-            corpus.refresh()
-        epoch_rng = random.Random(args.seed * 7919 + epoch)
-        batches = make_batches(corpus.items(epoch_shards), args.batch_seconds, args.max_utterance_s, epoch_rng)
-        if batch_index == 0:
-            n_utt = sum(len(b) for b in batches)
-            log(
-                {
-                    "event": "epoch",
-                    "epoch": epoch,
-                    "shards": len(epoch_shards),
-                    "utterances": n_utt,
-                    "batches": len(batches),
-                }
-            )
-        source = BatchSource(
-            corpus,
-            batches,
-            vocab,
-            config.n_mels,
-            args.seed,
-            epoch,
-            batch_index,
-            not args.no_augment,
-            args.vtlp,
-            args.channel_eq,
-            centres_hz,
-            units,
-            config.output_delay_frames,
+            started_with = "a --lexicon"
+        raise SystemExit(f"{path} was trained with {started_with}: resume it with the same targets")
+    return ck
+
+
+def starting_weights(
+    args: argparse.Namespace, setup: RunConfig, ck: dict | None
+) -> tuple[ConvCtcConfig, dict | None]:
+    """The config and weights a run starts from: its checkpoint ``ck``, else ``--init``'s (grown by
+    ``--config`` dilations or lookahead_blocks), else none (from scratch, on ``setup``'s config)."""
+    config, weights = setup.model, None
+    if ck is not None:
+        config, weights = ConvCtcConfig.from_dict(ck["config"]), ck["model"]
+    elif args.init is not None and args.init.is_dir():  # a model directory, e.g. the shipped default model
+        shipped = load_model(args.init)
+        if undo_prior(shipped, args.init):
+            print(f"{args.init}: its prior correction taken out of the output layer before training")
+        config, weights = shipped.config, shipped.state_dict()
+    elif args.init is not None:
+        init = torch.load(args.init, weights_only=False)
+        config, weights = ConvCtcConfig.from_dict(init["config"]), init["model"]
+    if setup.units is not None and ck is None:  # (a resumed run's config has them already)
+        config = dataclasses.replace(config, vocabulary=tuple(unit_vocabulary(setup.lexicon)))
+    if setup.units is None and not set(LETTERS) <= set(config.vocabulary):
+        raise SystemExit(
+            "the model's tokens are not letters (a phoneme model?): pass the --lexicon it was trained with"
         )
-        loader = torch.utils.data.DataLoader(
-            source,
-            batch_size=None,
-            num_workers=args.workers,
-            pin_memory=device.type == "cuda",
-            prefetch_factor=4 if args.workers else None,
-            worker_init_fn=_one_thread if args.workers else None,
-        )
-        t0 = time.time()
-        for batch in loader:
-            if not more():
-                break
-            head_only = step < args.head_only_steps
-            if head_only != body_frozen:
-                for name, param in model.named_parameters():
-                    param.requires_grad_(not head_only or name.startswith(("head.", "out_norm.")))
-                body_frozen = head_only
-                log({"event": "body " + ("frozen" if head_only else "trained"), "step": step})
-            lr = lr_at(
-                step, args.peak_lr, args.warmup, args.total_steps, progress=progress() if budget_s else None
-            )
-            if args.head_only_steps and step >= args.head_only_steps:
-                # The body's fresh AdamW state would take full-size steps at once: warm up again.
-                lr *= min(1.0, (step - args.head_only_steps + 1) / args.warmup)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            audio = batch["audio"].to(device, non_blocking=True)
-            if batch["warp"] is not None:
-                features = warped_log_mel(model, audio, batch["warp"])  # host warps: no sync
-            else:
-                features = model.log_mel(audio)
-            if batch["colour"] is not None:
-                features = colour_features(features, batch["colour"].to(device), model.features.scale)
-            if batch["time_mask"] is not None:
-                features = apply_masks(features, batch["time_mask"].to(device), batch["freq_mask"].to(device))
-            # bfloat16 for the network's matmuls (AMX / AVX-512-BF16 on recent x86 CPUs, tensor cores on
-            # CUDA), float32 weights, features and loss.
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                logits = model.encode(features)
-            log_probs = logits.float().log_softmax(-1)
-            loss = ctc(
-                log_probs.transpose(0, 1).float().cpu() if device.type != "cuda" else log_probs.transpose(0, 1),
-                batch["targets"].to(device) if device.type == "cuda" else batch["targets"],
-                batch["in_lengths"],
-                batch["tgt_lengths"],
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            opt.step()
-            step += 1
-            batch_index += 1
-            audio_seen += batch["seconds"]
-            train_seconds += time.time() - t0
-            loss_sum += loss.detach()  # a device tensor: read (one sync) only when logged
-            loss_n += 1
-            if step % args.log_every == 0:
-                log(
-                    {
-                        "event": "train",
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": round(float(loss_sum) / loss_n, 4),
-                        "lr": round(opt.param_groups[0]["lr"], 6),
-                        "audio_hours": round(audio_seen / 3600, 2),
-                        "step_s": round((time.time() - t_interval) / loss_n, 3),
-                    }
-                )
-                loss_sum = loss_n = 0.0
-                t_interval = time.time()
-            now = time.time()
-            if eval_groups and now - last_eval > args.eval_minutes * 60:
-                run_eval()
-                last_eval = time.time()
-            if now - last_ckpt > args.checkpoint_minutes * 60:
-                checkpoint(last_path)
-                snapshot = args.snapshots_from is not None and step >= args.snapshots_from
-                if snapshot or (args.snapshot_progress is not None and progress() >= args.snapshot_progress):
-                    shutil.copyfile(last_path, args.run / f"snap_{step}.pt")
-                last_ckpt = time.time()
-            t0 = time.time()
-        del loader
-        if batch_index >= len(batches):
-            epoch += 1
-            epoch_shards = None
-    checkpoint(last_path)
-    if eval_groups:
-        run_eval()
-        checkpoint(last_path)
-    log({"event": "done", "step": step, "audio_hours": round(audio_seen / 3600, 2)})
+    deeper = setup.overrides.get("dilations")
+    if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
+        lookahead = setup.overrides.get("lookahead_blocks", 0)
+        config, weights = deepen(config, weights, tuple(deeper), args.seed, lookahead)
+    elif ck is None and weights is not None and "lookahead_blocks" in setup.overrides:
+        # The model's own last blocks centred: their skips move back, and the fine-tune re-learns around them.
+        config = dataclasses.replace(config, lookahead_blocks=setup.overrides["lookahead_blocks"])
+    return config, weights
+
+
+def resume(ck: dict, opt: torch.optim.AdamW, log: RunLog) -> Progress:
+    """The optimizer's state and the torch RNG restored from ``ck``, and where the run stood."""
+    opt.load_state_dict(ck["optimizer"])
+    progress = Progress(**{field.name: ck[field.name] for field in dataclasses.fields(Progress)})
+    torch.set_rng_state(ck["rng"]["torch_global"])
+    log({"event": "resumed", "step": progress.step, "epoch": progress.epoch, "batch_index": progress.batch_index})
+    return progress
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosystream.evaluate import decode, edit_distance, eval_runner, load_set, normalize, stream
+from cosystream.app.evaluate import decode, edit_distance, eval_runner, load_set, normalize, stream
+from cosystream.decoding.beam import BeamConfig
+from cosystream.decoding.config import DecoderConfig, DecoderFactory
 from cosystream.models import load_model
 from cosystream.runtime.runner import Runner
-from cosystream.server.beam import BeamConfig
-from cosystream.server.decoding import DecoderConfig, DecoderFactory
 
 Outputs = list[tuple[str, list[tuple[np.ndarray, np.ndarray, int]]]]  # (reference, [(ids, logprobs, frame)])
 

@@ -10,15 +10,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from cosystream.engine import ipc
-from cosystream.engine.scheduler import AdmissionError, Priority, Scheduler, SchedulerConfig, StepPlan
-from cosystream.metrics import EngineMetrics
-from cosystream.models.contract import FRAME_SAMPLES
-from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig
+from cosystream.engine.frame_queue import FrameQueue
+from cosystream.engine.scheduler import (
+    BATCH_STEP_BUDGET_S,
+    DEADLINE_S,
+    MAX_SESSIONS,
+    REALTIME_BATCH_WINDOW_S,
+    AdmissionError,
+    Priority,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+)
+from cosystream.runtime.buckets import FRAME_BUCKETS
+from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, StepResult
 from cosystream.runtime.slab import StateSlab
 
 log = logging.getLogger(__name__)
@@ -26,22 +37,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_sessions: int = 256
-    max_batch: int = 256
-    frame_buckets: tuple[int, ...] = (1, 2, 4, 16)
+    """The engine's settings, built once from the flags; the scheduler's and the runner's configs are made
+    from it (each default is the named constant's, stated once)."""
+
+    max_sessions: int = MAX_SESSIONS
+    max_batch: int | None = None  # rows per step; None: max_sessions
+    frame_buckets: tuple[int, ...] = FRAME_BUCKETS
     queue_frames: int = 256  # frames a session may have queued in the engine (2.56 s of audio)
-    deadline_s: float = 0.05
-    batch_step_budget_s: float = 0.004
-    realtime_batch_window_s: float = 0.004
+    deadline_s: float = DEADLINE_S
+    batch_step_budget_s: float = BATCH_STEP_BUDGET_S
+    realtime_batch_window_s: float = REALTIME_BATCH_WINDOW_S
     batch_max_duty: float | None = None  # None: 0.5 on a CPU, where frontends share the cores; 1 on CUDA
     graph_mode: GraphMode = GraphMode.EAGER
-    top_k: int = 1  # token candidates per frame sent to frontends (beam search wants several)
+    top_k: int = 1  # token candidates per frame sent to frontends: what their text decoder reads
 
     def __post_init__(self) -> None:
+        if self.max_batch is None:
+            object.__setattr__(self, "max_batch", self.max_sessions)
         if self.max_sessions < 1 or self.max_batch < 1:
             raise ValueError("max_sessions and max_batch must be >= 1")
         if self.queue_frames < max(self.frame_buckets):
             raise ValueError("queue_frames must hold at least the largest frame bucket")
+
+
+class StepObserver(Protocol):
+    """Where the core reports what it did (``cosystream.metrics.EngineMetrics`` in the engine process): the
+    core knows no metrics library."""
+
+    def observe_step(
+        self, priority: str, rows: int, frames: int, seconds: float, deadline_misses: int
+    ) -> None: ...
+
+    def set_active(self, counts: dict[str, int]) -> None: ...
 
 
 class EngineCore:
@@ -50,7 +77,7 @@ class EngineCore:
         model: torch.nn.Module,
         config: EngineConfig,
         device: torch.device,
-        metrics: EngineMetrics | None = None,
+        metrics: StepObserver | None = None,
     ):
         self.model = model
         self.config = config
@@ -72,24 +99,19 @@ class EngineCore:
                 max_sessions=config.max_sessions,
                 max_batch=self.runner.max_rows,
                 frame_buckets=config.frame_buckets,
-                realtime_max_frames=max(config.frame_buckets),  # a speech onset sends its pre-roll at once
-                batch_frames=max(config.frame_buckets),
+                row_buckets=self.runner.batch_buckets,
                 deadline_s=config.deadline_s,
                 batch_step_budget_s=config.batch_step_budget_s,
                 realtime_batch_window_s=config.realtime_batch_window_s,
                 batch_max_duty=config.batch_max_duty or (1.0 if device.type == "cuda" else 0.5),
             )
         )
-        # Queued audio: a ring of frames per slot; head = next to step, tail = next free.
-        self._queue = np.zeros((config.max_sessions, config.queue_frames, FRAME_SAMPLES), dtype=np.float32)
-        self._head = np.zeros(config.max_sessions, dtype=np.int64)
-        self._tail = np.zeros(config.max_sessions, dtype=np.int64)
+        self.queue = FrameQueue(config.max_sessions, config.queue_frames, max(config.frame_buckets))
         self._owner: list[tuple[int, int] | None] = [None] * config.max_sessions
         self._priority: list[Priority] = [Priority.REALTIME] * config.max_sessions
         self._slot_of: dict[tuple[int, int], int] = {}
         self._outbox: dict[int, ipc.ToFrontend] = {}
         self._listening: set[int] = set()  # frontends whose gRPC port is open
-        self._offsets = np.arange(max(config.frame_buckets))
 
     # --- frontend messages -----------------------------------------------------------------------
 
@@ -151,24 +173,13 @@ class EngineCore:
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
-        self._head[slot] = self._tail[slot] = 0
+        self.queue.clear(slot)
         self.slab.free(slot)
 
     def _enqueue(self, slot: int, frames: np.ndarray, arrival_s: float) -> None:
-        count = len(frames)
-        capacity = self.config.queue_frames
-        room = capacity - int(self._tail[slot] - self._head[slot])
-        if count > room:
-            # Frontends keep fewer frames than this in flight per session, so this is a frontend bug, not
-            # load: drop the excess (that session's transcript suffers) rather than stop every session.
-            log.error(
-                "slot %d: %d frames queued, %d more do not fit; dropping them", slot, capacity - room, count - room
-            )
-            frames, count = frames[:room], room
-        index = (self._tail[slot] + np.arange(count)) % capacity
-        self._queue[slot, index] = frames
-        self._tail[slot] += count
-        self.scheduler.add_frames(slot, count, arrival_s)
+        # Frontends keep fewer frames than the queue holds in flight per session: a frame that does not fit
+        # is a frontend bug, not load (FrameQueue.push drops it rather than stop every session).
+        self.scheduler.add_frames(slot, self.queue.push(slot, frames), arrival_s)
 
     # --- steps -----------------------------------------------------------------------------------
 
@@ -183,19 +194,21 @@ class EngineCore:
         return idle_s if due is None else min(idle_s, max(0.0, due - time.monotonic()))
 
     def step(self) -> StepPlan | None:
-        """Run one scheduled step, if any; its results go to the owners' outboxes."""
+        """Run one scheduled step, if any: the scheduler's plan, the runner's result, filed back by
+        :meth:`update_from_output`."""
         plan = self.scheduler.schedule()
         if plan is None:
             return None
-        slots = np.asarray(plan.slots)
-        frames = plan.frames
-        index = (self._head[slots][:, None] + self._offsets[:frames]) % self.config.queue_frames
-        pcm = self._queue[slots[:, None], index].reshape(len(slots), frames * FRAME_SAMPLES)
-        self._head[slots] += frames
+        pcm = self.queue.take(plan.slots, plan.frames)
         started = time.perf_counter()
         result = self.runner.run(plan.slots, pcm)
-        compute_s = time.perf_counter() - started
-        self.scheduler.update_cost(plan.rows, frames, compute_s, plan.priority)
+        self.update_from_output(plan, result, time.perf_counter() - started)
+        return plan
+
+    def update_from_output(self, plan: StepPlan, result: StepResult, compute_s: float) -> None:
+        """File a step's result back: its cost to the scheduler, each row's tokens to its frontend's outbox,
+        the step to the metrics."""
+        self.scheduler.update_cost(plan.rows, plan.frames, compute_s, plan.priority)
         for row, slot in enumerate(plan.slots):
             frontend, key = self._owner[slot]
             box = self._box(frontend)
@@ -206,9 +219,8 @@ class EngineCore:
             box.compute_s.append(compute_s)
         if self.metrics is not None:
             self.metrics.observe_step(
-                plan.priority.name.lower(), plan.rows, frames, compute_s, plan.deadline_misses
+                plan.priority.name.lower(), plan.rows, plan.frames, compute_s, plan.deadline_misses
             )
-        return plan
 
     @property
     def session_count(self) -> int:

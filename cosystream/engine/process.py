@@ -27,7 +27,6 @@ from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
 from cosystream.runtime.runner import GraphMode
-from cosystream.server.decoding import DecoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,6 @@ class EngineProcessConfig:
     authkey: bytes
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_path: str | None = None
-    decoder: DecoderConfig = field(default_factory=DecoderConfig)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cpu_threads: int = 1
     log_level: str = "INFO"
@@ -181,9 +179,8 @@ def engine_main(config: EngineProcessConfig, status: Connection) -> None:
 
 
 def prepare_engine(config: EngineProcessConfig) -> tuple[EngineProcessConfig, EngineCore, Listener]:
-    """Everything that can fail at start-up: the decoder settled, the model loaded and warm, the socket
-    bound (a stale socket file of a killed engine is replaced)."""
-    config = dataclasses.replace(config, decoder=config.decoder.resolve(config.model_path))
+    """Everything that can fail at start-up: the model loaded and warm, the socket bound (a stale socket
+    file of a killed engine is replaced)."""
     core = build_core(config)
     if os.path.exists(config.address):
         os.unlink(config.address)
@@ -203,7 +200,6 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     if device.type != "cuda" and engine_config.graph_mode is GraphMode.GRAPHS:
         log.info("no CUDA device: running eager")
         engine_config = dataclasses.replace(engine_config, graph_mode=GraphMode.EAGER)
-    engine_config = dataclasses.replace(engine_config, top_k=config.decoder.top_k)
     started = time.perf_counter()
     model = load_model(config.model_path, device=device)
     core = EngineCore(model, engine_config, device, EngineMetrics())
@@ -232,9 +228,10 @@ def warm_up(core: EngineCore) -> None:
 
 
 def server_info(
-    model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode, decoder: DecoderConfig
+    model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode, top_k: int
 ) -> dict:
-    """What frontends tell clients in GetServerInfo, and the decoder they run (sent in the engine's HELLO)."""
+    """What the engine tells its frontends in its HELLO: the model and device (for GetServerInfo), its capacity,
+    and ``top_k``, the token candidates it sends per frame (a frontend's text decoder needs at most that many)."""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model_name": model.config.name,
@@ -244,13 +241,13 @@ def server_info(
         "output_delay_frames": output_delay_frames(model),
         "max_sessions": max_sessions,
         "graph_mode": graph_mode.value,
-        "decoder": decoder.to_dict(),
+        "top_k": top_k,
     }
 
 
 def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener, stop: threading.Event) -> None:
     info = server_info(
-        core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode, config.decoder
+        core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode, core.runner.top_k
     )
     incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
     threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()

@@ -3,7 +3,8 @@
 Shaped after vLLM v1 / nano-vllm: the engine reports what arrived (`add_frames`) and what a step cost
 (`update_cost`); `schedule()` returns one `StepPlan`, a plain data object the engine hands to
 ``runner.run(plan.slots, frames)``. The scheduler holds no audio, only per-session frame counts and
-arrival times, and it imports nothing but the standard library.
+arrival times, and it imports nothing but the standard library and the runner's bucket arithmetic
+(``runtime/buckets.py``).
 
 Policy (the scheduler contract in README.md, "How it works"):
 
@@ -25,8 +26,10 @@ Policy (the scheduler contract in README.md, "How it works"):
   (a full engine has no free slot to offer): on a full engine a REALTIME request sheds the most recently
   admitted BATCH session, anything else gets `AdmissionError`.
 
-Every call is O(1) or O(rows in the step): ready sessions sit in `OrderedDict`s (O(1) delete and
-move-to-back), arrival times are kept as runs of ``(arrival_s, count)``.
+Ready sessions sit in `OrderedDict`s (O(1) delete and move-to-back) and arrival times are kept as runs of
+``(arrival_s, count)``, so admitting, adding frames and filing a step's result are O(1) per session or row;
+`schedule()` scans the ready sessions of one class for the T-group (O(ready), at most ``max_batch`` rows
+taken).
 """
 
 import logging
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from itertools import islice, pairwise
 
+from cosystream.runtime.buckets import FRAME_BUCKETS, batch_buckets
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,18 +54,32 @@ class Priority(IntEnum):
     BATCH = 2
 
 
+MAX_SESSIONS = 256
+"""Sessions one engine holds (``serve --max-sessions``); each has a slot of the state slab."""
+DEADLINE_S = 0.05
+"""A realtime frame stepped later than this after it reached the engine is a deadline miss (a metric)."""
+REALTIME_BATCH_WINDOW_S = 0.006
+"""How long a realtime frame may wait for other sessions' frames to share its step (``--batch-window-ms``)."""
+BATCH_STEP_BUDGET_S = 0.004
+"""The estimated cost cap of one BATCH step: the longest a realtime frame waits behind BATCH work."""
+
+
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
-    max_sessions: int = 256
-    max_batch: int = 256  # rows per step
-    frame_buckets: tuple[int, ...] = (1, 4, 16)  # allowed frames per row (T); must start at 1
-    realtime_max_frames: int = 4  # catch-up cap for a realtime session that fell behind
-    batch_frames: int = 16  # frames per BATCH row when that many are pending
-    deadline_s: float = 0.1  # a realtime frame stepped later than arrival + deadline_s is a miss
-    batch_step_budget_s: float = 0.004  # estimated cost cap of one BATCH step
+    max_sessions: int = MAX_SESSIONS
+    max_batch: int = MAX_SESSIONS  # rows per step
+    frame_buckets: tuple[int, ...] = FRAME_BUCKETS  # allowed frames per row (T); must start at 1
+    # Rows per step the runner pads to; None: ``batch_buckets(max_batch)``, the runner's own rule.
+    row_buckets: tuple[int, ...] | None = None
+    # Most frames a realtime row takes (a session that fell behind, a speech onset's pre-roll); None: the
+    # largest frame bucket.
+    realtime_max_frames: int | None = None
+    batch_frames: int | None = None  # frames per BATCH row when that many are pending; None: the largest bucket
+    deadline_s: float = DEADLINE_S  # a realtime frame stepped later than arrival + deadline_s is a miss
+    batch_step_budget_s: float = BATCH_STEP_BUDGET_S  # estimated cost cap of one BATCH step
     # Realtime frames wait up to this long for others to join their step (0 = step at once). A step costs
     # a fixed ~1 ms on a CPU plus a little per row, so stepping every arrival alone saturates the core.
-    realtime_batch_window_s: float = 0.0
+    realtime_batch_window_s: float = REALTIME_BATCH_WINDOW_S
     # Most of the engine's time BATCH steps may take (1 = all that realtime leaves). Below 1 leaves CPU
     # to frontends sharing the cores: after a BATCH step of d seconds the next waits d * (1/duty - 1).
     batch_max_duty: float = 1.0
@@ -69,6 +88,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "frame_buckets", tuple(self.frame_buckets))
         buckets = self.frame_buckets
+        if self.row_buckets is None:
+            object.__setattr__(self, "row_buckets", batch_buckets(self.max_batch))
+        if self.realtime_max_frames is None:
+            object.__setattr__(self, "realtime_max_frames", max(buckets, default=1))
+        if self.batch_frames is None:
+            object.__setattr__(self, "batch_frames", max(buckets, default=1))
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_batch < 1:
@@ -166,13 +191,7 @@ class Scheduler:
         # T for a given min(pending, cap): the largest frame bucket <= it.
         self._rt_frames = [_floor_bucket(c.frame_buckets, n) for n in range(c.realtime_max_frames + 1)]
         self._batch_frames = [_floor_bucket(c.frame_buckets, n) for n in range(c.batch_frames + 1)]
-        # Row buckets the runner pads to: 1, 2, 4, ... and max_batch itself.
-        self._row_buckets = []
-        b = 1
-        while b < c.max_batch:
-            self._row_buckets.append(b)
-            b *= 2
-        self._row_buckets.append(c.max_batch)
+        self._row_buckets = list(c.row_buckets)  # the runner's, handed on
         self._cost_s: dict[tuple[int, int], float] = {}  # EMA of measured step seconds per (row bucket, T)
         self._fit: tuple[float, float] | None = None  # (fixed_s, per_row_frame_s) over _cost_s
         self._fit_dirty = False

@@ -3,7 +3,7 @@
 A model is a ``torch.nn.Module`` with:
 
 - ``vocabulary``: the output symbols, index 0 = CTC blank (letters, or phonemes when the model directory
-  ships a pronunciation lexicon, ``lexicon.tsv.gz``: see ``cosystream.server.decoding``);
+  ships a pronunciation lexicon, ``lexicon.tsv.gz``: see ``cosystream.decoding.config``);
 - ``cache_specs()``: shape (without the batch dimension) and dtype of each per-session cache;
 - ``init_caches(batch)``: zeroed caches in that order;
 - ``step(pcm, caches) -> (logits, caches)``: ``pcm`` float ``[B, T * 160]`` in [-1, 1], ``logits [B, T, V]``.

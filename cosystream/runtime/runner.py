@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cosystream.models.contract import FRAME_SAMPLES, StreamingModel
+from cosystream.runtime.buckets import FRAME_BUCKETS, batch_buckets
 from cosystream.runtime.slab import StateSlab
 
 log = logging.getLogger(__name__)
@@ -30,21 +31,10 @@ class GraphMode(enum.Enum):
     GRAPHS = "graphs"
 
 
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """Powers of two up to ``max_batch``, which is always the last bucket."""
-    buckets = []
-    size = 1
-    while size < max_batch:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_batch)
-    return tuple(buckets)
-
-
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
-    max_batch: int = 256
-    frame_buckets: tuple[int, ...] = (1, 4, 16)
+    max_batch: int  # rows per step, at most (the slab's size caps it too)
+    frame_buckets: tuple[int, ...] = FRAME_BUCKETS
     graph_mode: GraphMode = GraphMode.EAGER
     # Use the model's in-place ``step_slots`` when it has one; False forces gather -> step -> scatter.
     direct_state: bool = True
@@ -87,9 +77,9 @@ class Runner:
             t: torch.zeros((max_rows, t * FRAME_SAMPLES), dtype=dtype, device=self.device)
             for t in config.frame_buckets
         }
-        self._top_k = min(config.top_k, len(model.vocabulary))
+        self.top_k = min(config.top_k, len(model.vocabulary))  # token candidates per frame it returns
         self._out = {
-            t: torch.zeros((max_rows, t, self._top_k, 2), dtype=torch.float32, device=self.device)
+            t: torch.zeros((max_rows, t, self.top_k, 2), dtype=torch.float32, device=self.device)
             for t in config.frame_buckets
         }
         # On CUDA every host <-> device copy goes through pinned buffers allocated here, so that
@@ -180,10 +170,10 @@ class Runner:
             for tensor, cache in zip(self.slab.tensors, caches, strict=True):
                 tensor.index_copy_(0, slots, cache)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if self._top_k == 1:
+        if self.top_k == 1:
             best, ids = logprobs.max(dim=-1, keepdim=True)
         else:
-            best, ids = logprobs.topk(self._top_k, dim=-1)
+            best, ids = logprobs.topk(self.top_k, dim=-1)
         out = self._out[frames_per_step][:bucket]
         out[..., 0].copy_(ids)
         out[..., 1].copy_(best)

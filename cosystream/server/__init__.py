@@ -1,1 +1,1 @@
-"""gRPC frontend: audio decoding, VAD and endpointing, CTC text, and the servicer."""
+"""gRPC serving: the servicer and its sessions, the engine client, the frontend process, and the Google / Riva adapters."""

@@ -22,6 +22,7 @@ from cosystream.server.engine_client import Engine, EngineClient
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import DEFAULT_PORT
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CosyStream"].full_name
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
     host: str = "0.0.0.0"
-    port: int = 50051
+    port: int = DEFAULT_PORT
     max_message_bytes: int = (
         10 << 20
     )  # a larger request is refused with RESOURCE_EXHAUSTED (Google sends <= 10 MB)

@@ -16,18 +16,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import grpc
 
 from cosystream import __version__
+from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
+from cosystream.audio.endpointing import EndpointingConfig
+from cosystream.decoding.config import DecoderConfig, DecoderFactory
 from cosystream.engine.scheduler import Priority
 from cosystream.metrics import FrontendMetrics
-from cosystream.server.audio import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
-from cosystream.server.decoding import DecoderConfig, DecoderFactory
 from cosystream.server.engine_client import Engine
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.session import Session, SessionConfig
-from cosystream.server.vad import EndpointingConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
@@ -51,6 +52,7 @@ class StreamOptions:
     max_queued_responses: int = DEFAULT_MAX_ITEMS
     default_endpointing: EndpointingConfig = field(default_factory=EndpointingConfig)
     frontends: int = 1
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)  # resolve()d against the model by the app
 
 
 class ConfigError(ValueError):
@@ -117,6 +119,15 @@ def _status_response(session_id: str, code: grpc.StatusCode, message: str) -> pb
     )
 
 
+class StreamState(IntEnum):
+    """Where a stream is in its life; it only moves forward (a failure may skip FINISHING)."""
+
+    STREAMING = 0  # reading requests
+    FINISHING = 1  # no more audio (half-close or a cut): flushing to the last final
+    ENDED = 2  # its last response (OK or a status) is queued; nothing more is read or sent
+    RELEASED = 3  # its engine slot is freed, its timers stopped
+
+
 class _Stream:
     """The glue between one gRPC stream, its Session and the engine channel."""
 
@@ -128,8 +139,7 @@ class _Stream:
         self.priority = config.priority
         self.responses = ResponseQueue(servicer.options.max_queued_responses)
         self.progress = asyncio.Event()
-        self.finishing = False
-        self.closed = False
+        self.state = StreamState.STREAMING
         self.end_status: _Abort | None = None  # a cut stream's status, sent after its final
         metrics = servicer.metrics
         priority_label = config.priority.name.lower()
@@ -169,29 +179,29 @@ class _Stream:
 
     def _fail(self, code: grpc.StatusCode, message: str) -> None:
         """End now with ``code`` (what is still queued before it is sent first)."""
-        if not self.closed:
-            self.closed = True
+        if self.state < StreamState.ENDED:
+            self.state = StreamState.ENDED
             self.responses.put(_Abort(code, message))
             self.responses.wake()
             self.progress.set()
 
     def _check_done(self) -> None:
-        if self.finishing and self.session.done and not self.closed:
-            self.closed = True
+        if self.state == StreamState.FINISHING and self.session.done:
+            self.state = StreamState.ENDED
             self.responses.put(self.end_status or _DONE)
             self.responses.wake()
 
     def finish(self) -> None:
         """No more audio (half-close, or a cut): flush and end after the last final."""
-        if not self.finishing:
-            self.finishing = True
+        if self.state == StreamState.STREAMING:
+            self.state = StreamState.FINISHING
             self.session.finish()
             self._check_done()
 
     def cut(self, code: grpc.StatusCode, message: str) -> None:
         """The server ends the stream: stop reading, flush the audio received, send its final, then end
         with ``code`` (not OK: the client had more to send)."""
-        if self.closed or self.finishing:
+        if self.state != StreamState.STREAMING:
             return
         self.end_status = _Abort(code, message)
         if self.reader is not None:
@@ -214,7 +224,7 @@ class _Stream:
 
     def release(self) -> None:
         """Every exit path: stop reading, stop the timer, free the engine slot. Idempotent."""
-        self.closed = True
+        self.state = StreamState.RELEASED
         if self.reader is not None:
             self.reader.cancel()
         for timer in (self.idle_timer, self._force):
@@ -227,7 +237,7 @@ class _Stream:
     def _watch_idle(self) -> None:
         """Close the stream when no request came for the idle timeout (one timer per stream, not per
         request: a ``wait_for`` around every read costs a task and a timer per 10 ms chunk)."""
-        if self.closed or self.finishing:
+        if self.state != StreamState.STREAMING:
             return
         timeout_s = self.servicer.options.idle_timeout_s
         idle_s = time.monotonic() - self.last_request_s
@@ -244,7 +254,7 @@ class _Stream:
         try:
             while True:
                 # A client that does not read its responses is not read either (flow control).
-                while self.responses.full and not self.closed:
+                while self.responses.full and self.state < StreamState.ENDED:
                     await self.responses.wait_for_room()
                 try:
                     request = await anext(requests)
@@ -257,10 +267,10 @@ class _Stream:
                     for offset in range(0, len(audio), AUDIO_SLICE_BYTES):
                         if offset:
                             await asyncio.sleep(0)  # other sessions run between the slices of a big chunk
-                            if self.closed or self.finishing:
+                            if self.state != StreamState.STREAMING:
                                 return
                         session.feed_audio(audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s)
-                        while session.backlog_frames > limit and not self.closed:
+                        while session.backlog_frames > limit and self.state < StreamState.ENDED:
                             self.progress.clear()
                             await self.progress.wait()
                 elif kind == "control":
@@ -277,7 +287,7 @@ class _Stream:
                 else:
                     self._fail(grpc.StatusCode.INVALID_ARGUMENT, "empty request: set config, audio or control")
                     return
-                if self.closed:
+                if self.state >= StreamState.ENDED:
                     return
             self.finish()
         except asyncio.CancelledError:
@@ -304,7 +314,12 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.options = options
         self.metrics = metrics or FrontendMetrics()
         self.info = engine.info
-        self.decoders = DecoderFactory(DecoderConfig.from_dict(self.info["decoder"]), self.info["vocabulary"])
+        if options.decoder.top_k > self.info["top_k"]:
+            raise ValueError(
+                f"the {options.decoder.kind} decoder reads {options.decoder.top_k} token candidates per frame, but "
+                f"the engine sends {self.info['top_k']} (EngineConfig.top_k)"
+            )
+        self.decoders = DecoderFactory(options.decoder, self.info["vocabulary"])
         self.draining = False
         self._streams: set[_Stream] = set()
 

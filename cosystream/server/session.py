@@ -20,12 +20,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cosystream.audio.codecs import AudioEncoding, PcmDecoder
+from cosystream.audio.endpointing import Decision, Endpointer, EndpointingConfig
+from cosystream.audio.framing import Framer, FrameRing
+from cosystream.audio.resample import Resampler
+from cosystream.audio.vad import Vad
+from cosystream.decoding.beam import BeamCtcDecoder
+from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
-from cosystream.server.audio import AudioEncoding, Decoder, Framer, Resampler
-from cosystream.server.beam import BeamCtcDecoder
-from cosystream.server.ctc import CtcDecoder
-from cosystream.server.vad import Decision, Endpointer, EndpointingConfig, FrameRing, Vad
 from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -120,7 +123,7 @@ class Session:
         # A model with right context outputs each frame this much later: an utterance's end-of-utterance
         # silence includes that much more, so its last words come out, and word times are moved back by it.
         self.output_delay_frames = output_delay_frames
-        self._decoder = Decoder(config.encoding)
+        self._pcm = PcmDecoder(config.encoding)
         self._resampler = Resampler(config.sample_rate_hz)
         self._framer = Framer()
         self._vad = Vad(config.endpointing.vad_aggressiveness)
@@ -142,8 +145,8 @@ class Session:
 
     def feed_audio(self, chunk: bytes, received_s: float) -> None:
         """One audio chunk from the client, received at ``received_s`` (monotonic)."""
-        samples = self._resampler.process(self._decoder.decode(chunk))
-        self._frames(self._framer.push(samples), received_s)
+        samples = self._resampler.process(self._pcm.decode(chunk))  # a new array: the framer may keep views
+        self._frames(self._framer.push(samples, owned=True), received_s)
         self._pump()
 
     def finalize(self) -> None:
@@ -171,15 +174,17 @@ class Session:
         return not self._actions and self._utterance is None
 
     def _frames(self, frames: np.ndarray, received_s: float) -> None:
-        for frame in frames:
+        for i, frame in enumerate(frames):
             self._ring.push(frame)
-            self._decide(self._endpointer.feed(self._vad.is_speech(frame)), received_s)
+            self._decide(self._endpointer.feed(self._vad.is_speech(frame)), received_s, frames[i : i + 1])
 
-    def _decide(self, decision: Decision, received_s: float) -> None:
+    def _decide(self, decision: Decision, received_s: float, current: np.ndarray | None = None) -> None:
         if decision.started:
             self._actions.append((_START, decision, received_s))
         if decision.forward_frames:
-            frames = self._ring.last(decision.forward_frames)
+            # In speech, each frame forwards itself: send the framer's frame rather than a copy from the ring.
+            one = decision.forward_frames == 1 and current is not None
+            frames = current if one else self._ring.last(decision.forward_frames)
             self._actions.append((_FRAMES, frames, received_s))
             self._queued_frames += len(frames)
         if decision.ended:

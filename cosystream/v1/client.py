@@ -1,7 +1,7 @@
 """Helpers for clients of the wire API (hand-written; the rest of ``cosystream.v1`` is generated).
 
 ``server_address``: ``host`` -> ``host:50051``. ``read_wav``: the WAV files a client may stream (PCM, float,
-mu-law, A-law), with errors that say what is accepted. ``StreamStatus``: the status a stream really ended
+mu-law, A-law), with errors that say what is accepted. ``encode_mulaw``: samples as G.711 mu-law. ``StreamStatus``: the status a stream really ended
 with.
 
 grpcio's asyncio client can replace the server's status with INTERNAL "Internal error from Core" when the
@@ -138,3 +138,14 @@ def _g711_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _MULAW_TABLE, _ALAW_TABLE = _g711_tables()
+
+
+def encode_mulaw(samples: np.ndarray) -> bytes:
+    """float samples in [-1, 1] as G.711 mu-law bytes (the classic segment encoder, ITU-T G.711 / Sun g711.c),
+    for a client that sends MULAW."""
+    x = np.clip(np.asarray(samples, dtype=np.float64) * 32768.0, -32768, 32767).astype(np.int32)
+    sign = np.where(x < 0, 0x80, 0)
+    magnitude = np.minimum(np.abs(x), 32635) + 0x84
+    exponent = np.floor(np.log2(magnitude)).astype(np.int32) - 7
+    mantissa = (magnitude >> (exponent + 3)) & 0x0F
+    return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8).tobytes()

@@ -24,14 +24,14 @@ from typing import Any, ClassVar
 import grpc
 import numpy as np
 
-from cosystream.server.audio import (
+from cosystream.audio.codecs import (
     ALAW_TO_INT16,
     MAX_INPUT_RATE_HZ,
     MIN_INPUT_RATE_HZ,
     MULAW_TO_INT16,
     AudioEncoding,
 )
-from cosystream.server.compat.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
+from cosystream.audio.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 

@@ -26,7 +26,7 @@ import grpc
 from google.cloud.speech_v1.types import cloud_speech
 from google.protobuf import descriptor_pb2, descriptor_pool
 
-from cosystream.server.audio import AudioEncoding
+from cosystream.audio.codecs import AudioEncoding
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb

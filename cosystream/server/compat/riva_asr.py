@@ -19,7 +19,7 @@ import grpc
 from riva.client.proto import riva_asr_pb2 as rasr
 from riva.client.proto import riva_audio_pb2 as raudio
 
-from cosystream.server.audio import AudioEncoding
+from cosystream.audio.codecs import AudioEncoding
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb

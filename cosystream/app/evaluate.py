@@ -13,7 +13,6 @@ manifest of ``{"audio": PATH, "text": TRANSCRIPT}`` lines (paths relative to the
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -26,14 +25,14 @@ import numpy as np
 import soxr
 import torch
 
+from cosystream.app.transcribe import read_wav
+from cosystream.audio.codecs import MULAW_TO_INT16, encode_mulaw
+from cosystream.decoding.beam import BeamCtcDecoder
+from cosystream.decoding.config import DecoderConfig, DecoderFactory
+from cosystream.decoding.greedy import CtcDecoder
 from cosystream.models import FRAME_SAMPLES, load_model, output_delay_frames
 from cosystream.runtime.runner import Runner, RunnerConfig
 from cosystream.runtime.slab import StateSlab
-from cosystream.server.audio import MULAW_TO_INT16, encode_mulaw
-from cosystream.server.beam import BeamCtcDecoder
-from cosystream.server.ctc import CtcDecoder
-from cosystream.server.decoding import DecoderConfig, DecoderFactory
-from cosystream.transcribe import read_wav
 
 STEP_FRAMES = 16
 
@@ -209,17 +208,24 @@ def evaluate(
     }
 
 
-def eval_command(args: argparse.Namespace) -> int:
-    from cosystream.cli import decoder_config
-
+def eval_command(
+    model_path: str | None,
+    test_set: str,
+    decoding: DecoderConfig,
+    telephone_band: bool = False,
+    tilt_db: float = 0.0,
+    json_path: str | None = None,
+    show: int = 5,
+) -> int:
+    """``cosystream eval``: scores printed (and written to ``json_path``); 1 with the reason on failure."""
     try:
-        result = evaluate(args.model, Path(args.test_set), args.telephone, decoder_config(args), args.tilt)
+        result = evaluate(model_path, Path(test_set), telephone_band, decoding, tilt_db)
     except (OSError, EOFError, ValueError, KeyError) as err:
         print(f"cosystream eval: {err}", file=sys.stderr)
         return 1
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    for example in result["examples"][: args.show]:
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    for example in result["examples"][:show]:
         print(f"{example['name']}\n  ref: {example['reference']}\n  hyp: {example['hypothesis']}")
     band = "8 kHz mu-law" if result["telephone"] else "16 kHz"
     if result["tilt_db_per_octave"]:

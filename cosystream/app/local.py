@@ -6,26 +6,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
 import threading
 from pathlib import Path
 
+from cosystream.decoding.config import DecoderConfig
+from cosystream.engine.core import EngineConfig
 from cosystream.engine.process import EngineHandle, EngineProcessConfig, start_engine
 from cosystream.server.frontend import Frontend, FrontendConfig
 
 
 class LocalServer:
-    def __init__(self, frontend_config: FrontendConfig | None = None, **engine_kwargs):
-        """``engine_kwargs`` are ``EngineProcessConfig`` fields (``engine=EngineConfig(...)``, ``model_path``...)."""
+    def __init__(
+        self, frontend_config: FrontendConfig | None = None, decoder: DecoderConfig | None = None, **engine_kwargs
+    ):
+        """``engine_kwargs`` are ``EngineProcessConfig`` fields (``engine=EngineConfig(...)``, ``model_path``...).
+        ``decoder`` (default ``auto``) is resolved against the model; the engine sends the candidates per frame
+        it reads."""
         self._tmp = tempfile.TemporaryDirectory(prefix="cosystream-")
         engine_kwargs.setdefault("log_level", logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        decoder = (decoder or DecoderConfig()).resolve(engine_kwargs.get("model_path"))
+        engine = dataclasses.replace(engine_kwargs.pop("engine", EngineConfig()), top_k=decoder.top_k)
         process_config = EngineProcessConfig(
-            address=str(Path(self._tmp.name) / "engine.sock"), authkey=os.urandom(16), **engine_kwargs
+            address=str(Path(self._tmp.name) / "engine.sock"),
+            authkey=os.urandom(16),
+            engine=engine,
+            **engine_kwargs,
         )
         self.process_config = process_config
-        self.frontend_config = frontend_config or FrontendConfig(host="127.0.0.1", port=0)
+        frontend_config = frontend_config or FrontendConfig(host="127.0.0.1", port=0)
+        stream = dataclasses.replace(frontend_config.stream, decoder=decoder)
+        self.frontend_config = dataclasses.replace(frontend_config, stream=stream)
         self.engine: EngineHandle | None = None
         self.frontend: Frontend | None = None
         self.loop = asyncio.new_event_loop()

@@ -141,9 +141,9 @@ class Supervisor:
 
     async def _serve_naive(self) -> int:
         """One process, the model called per chunk as it arrives: the benchmarks' baseline."""
-        from cosystream.server.naive import NaiveEngine
+        from cosystream.app.naive import NaiveEngine
 
-        engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions, self.process.decoder)
+        engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions, self.process.engine.top_k)
         frontend = Frontend(self.frontend_config, "", b"", engine=engine)
         port = await frontend.start()
         log.info("cosystream serving on port %d with 1 frontend(s) (naive mode: no engine, no batching)", port)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from cosystream.server.audio import AudioEncoding
+from cosystream.audio.codecs import AudioEncoding
 
 WAV_SNIFF_BYTES = 12  # "RIFF" <size> "WAVE"
 MAX_HEADER_BYTES = 1 << 20  # metadata chunks (LIST, bext) before "data" may be long, but not this long

@@ -17,20 +17,18 @@ from cosystream.engine.process import server_info
 from cosystream.engine.scheduler import Priority
 from cosystream.models import load_model
 from cosystream.runtime.runner import GraphMode
-from cosystream.server.decoding import DecoderConfig
 from cosystream.server.engine_client import SessionSink
 
 
 class NaiveEngine:
     """Implements ``engine_client.Engine`` (what the servicer and sessions use), stepping the model inline."""
 
-    def __init__(self, model_path: str | None, max_sessions: int, decoder: DecoderConfig | None = None):
+    def __init__(self, model_path: str | None, max_sessions: int, top_k: int = 1):
         torch.set_num_threads(1)
         self.model = load_model(model_path)
         self.max_sessions = max_sessions
-        decoder = (decoder or DecoderConfig()).resolve(model_path)
-        self.top_k = min(decoder.top_k, len(self.model.vocabulary))
-        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, decoder)
+        self.top_k = min(top_k, len(self.model.vocabulary))
+        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, self.top_k)
         self.connected = False
         self.on_change = None
         self._listening = 0

@@ -7,6 +7,7 @@ frozen config objects.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ import sys
 import tempfile
 
 from cosystream import __version__
+from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
 from cosystream.logs import configure as configure_logs
 
 log = logging.getLogger("cosystream")
@@ -35,6 +37,7 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
         "the best token per frame (letter models; the default model's phonemes need beam search)",
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
+    # Kept free of numpy (BeamConfig) for a quick start-up; a test holds these numbers to BeamConfig's.
     group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 64)")
     group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.8)")
     group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default -0.5)")
@@ -42,10 +45,8 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
 
 def decoder_config(args: argparse.Namespace):
     """The decoder the arguments ask for, resolved against the model (ValueError if it cannot be had)."""
-    import dataclasses
-
-    from cosystream.server.beam import BeamConfig
-    from cosystream.server.decoding import DecoderConfig
+    from cosystream.decoding.beam import BeamConfig
+    from cosystream.decoding.config import DecoderConfig
 
     overrides = {
         name: value
@@ -56,6 +57,11 @@ def decoder_config(args: argparse.Namespace):
     if beam.beam_size < 1:
         raise ValueError("--beam-size must be >= 1")
     return DecoderConfig(args.decoder, args.lm, beam).resolve(args.model)
+
+
+def given(**flags):
+    """The flags that were given (not None), as config keyword arguments: the rest keep the config's default."""
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -80,20 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gRPC server")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--host", default=None, help="address to listen on (default: every interface)")
+    serve.add_argument("--port", type=int, default=None, help="gRPC port (default: 50051)")
     serve.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics; 0 disables")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    serve.add_argument("--max-sessions", type=int, default=256)
+    serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS)
     serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
     serve.add_argument("--model", default=None, help="model directory (default: the embedded English model)")
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
     serve.add_argument(
-        "--batch-window-ms", type=float, default=6.0, help="how long a realtime frame may wait to share a step"
+        "--batch-window-ms",
+        type=float,
+        default=REALTIME_BATCH_WINDOW_S * 1000,
+        help="how long a realtime frame may wait to share a step",
     )
     serve.add_argument(
-        "--deadline-ms", type=float, default=50.0, help="a realtime frame waiting longer is a deadline miss"
+        "--deadline-ms",
+        type=float,
+        default=DEADLINE_S * 1000,
+        help="a realtime frame waiting longer is a deadline miss",
     )
     serve.add_argument(
         "--batch-duty",
@@ -101,28 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most of the engine's time BATCH work may use (default: 0.5 on CPU, where frontends share the cores; 1 on CUDA)",
     )
+    # Flags whose default is None take their config's default, stated there once.
     serve.add_argument(
         "--idle-timeout-s",
         type=float,
-        default=30.0,
+        default=None,
         help="a stream with no request for this long gets the final for what was heard, then DEADLINE_EXCEEDED",
     )
     serve.add_argument(
         "--drain-grace-s",
         type=float,
-        default=20.0,
+        default=None,
         help="on SIGTERM, open streams are served this long before they are cut (their final, then "
-        "UNAVAILABLE); with up to 6 s more to stop, it fits Kubernetes' default 30 s grace period",
+        "UNAVAILABLE); the default 20 s, with up to 6 s more to stop, fits Kubernetes' default 30 s grace period",
     )
     serve.add_argument(
         "--max-failures",
         type=int,
-        default=5,
+        default=None,
         help="the engine or a frontend dying this many times within --restart-window-s ends serve (exit 1)",
     )
-    serve.add_argument("--restart-window-s", type=float, default=60.0)
-    serve.add_argument("--silence-ms", type=int, default=500, help="default end-of-utterance silence")
-    serve.add_argument("--max-utterance-ms", type=int, default=15000)
+    serve.add_argument("--restart-window-s", type=float, default=None)
+    serve.add_argument("--silence-ms", type=int, default=None, help="default end-of-utterance silence")
+    serve.add_argument("--max-utterance-ms", type=int, default=None)
     serve.add_argument(
         "--naive",
         action="store_true",
@@ -160,12 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "eval":
-        from cosystream.evaluate import eval_command
+        from cosystream.app.evaluate import eval_command
 
-        return eval_command(args)
-    from cosystream.transcribe import transcribe_command
+        try:
+            decoder = decoder_config(args)
+        except (OSError, EOFError, ValueError) as err:
+            sys.exit(f"cosystream eval: {err}")
+        return eval_command(args.model, args.test_set, decoder, args.telephone, args.tilt, args.json, args.show)
+    from cosystream.app.transcribe import transcribe_command
 
-    return transcribe_command(args)
+    return transcribe_command(args.file, args.server, args.realtime, args.interim, args.words)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -185,28 +202,31 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", os.path.join(run_dir, "metrics"))
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
+    from cosystream.app.supervisor import RestartPolicy, ServeError, Supervisor
+    from cosystream.audio.endpointing import EndpointingConfig
     from cosystream.engine.core import EngineConfig
     from cosystream.engine.process import EngineProcessConfig, resolve_device
     from cosystream.runtime.runner import GraphMode
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.servicer import StreamOptions
-    from cosystream.server.supervisor import RestartPolicy, ServeError, Supervisor
-    from cosystream.server.vad import EndpointingConfig
 
     try:
         resolve_device(args.device)  # --device cuda without CUDA: say so now, not from the engine
-        endpointing = EndpointingConfig(silence_ms=args.silence_ms, max_utterance_ms=args.max_utterance_ms)
+        endpointing = EndpointingConfig(
+            **given(silence_ms=args.silence_ms, max_utterance_ms=args.max_utterance_ms)
+        )
         engine = EngineConfig(
             max_sessions=args.max_sessions,
-            max_batch=args.max_batch or args.max_sessions,
+            max_batch=args.max_batch,
             graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
             realtime_batch_window_s=args.batch_window_ms / 1000,
             deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
         )
         decoder = decoder_config(args)
+        engine = dataclasses.replace(engine, top_k=decoder.top_k)  # the candidates per frame the decoder reads
         if decoder.kind == "beam":
-            from cosystream.server.lm import NgramLm
+            from cosystream.decoding.lm import NgramLm
 
             NgramLm.load(decoder.lm_path)  # fail here, with a message, rather than in every frontend
     except (OSError, EOFError, ValueError) as err:
@@ -216,20 +236,21 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         authkey=os.urandom(16),
         engine=engine,
         model_path=args.model,
-        decoder=decoder,
         device=args.device,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
     frontend = FrontendConfig(
-        host=args.host,
-        port=args.port,
-        drain_grace_s=args.drain_grace_s,
+        **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
         stream=StreamOptions(
-            idle_timeout_s=args.idle_timeout_s, default_endpointing=endpointing, frontends=args.frontends
+            **given(idle_timeout_s=args.idle_timeout_s),
+            default_endpointing=endpointing,
+            frontends=args.frontends,
+            decoder=decoder,
         ),
     )
-    if args.max_failures < 1:
+    restarts = RestartPolicy(**given(max_failures=args.max_failures, window_s=args.restart_window_s))
+    if restarts.max_failures < 1:
         sys.exit("cosystream serve: --max-failures must be >= 1")
     supervisor = Supervisor(
         process,
@@ -237,13 +258,13 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         args.frontends,
         args.metrics_port,
         naive=args.naive,
-        restarts=RestartPolicy(max_failures=args.max_failures, window_s=args.restart_window_s),
+        restarts=restarts,
     )
     try:
-        check_port_free(args.host, args.port)
+        check_port_free(frontend.host, frontend.port)
     except OSError as err:
         sys.exit(
-            f"cosystream serve: cannot serve on port {args.port}: {err.strerror or err} (--port picks another)"
+            f"cosystream serve: cannot serve on port {frontend.port}: {err.strerror or err} (--port picks another)"
         )
     try:
         supervisor.serve_metrics()

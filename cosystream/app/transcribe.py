@@ -5,7 +5,6 @@ Only the public API is used (``cosystream.v1``), the same way any client would.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
@@ -78,19 +77,22 @@ def format_result(result: pb.StreamingResult, words: bool) -> str:
     return line
 
 
-def transcribe_command(args: argparse.Namespace) -> int:
+def transcribe_command(
+    path: str, server_at: str | None = None, realtime: bool = False, interim: bool = False, words: bool = False
+) -> int:
+    """``cosystream transcribe``: the file's finals (and interims) printed; 1 with the reason on failure."""
     server = None
-    address = None if args.server is None else server_address(args.server)
+    address = None if server_at is None else server_address(server_at)
     try:
         if address is None:
-            from cosystream.server.local import LocalServer
+            from cosystream.app.local import LocalServer
 
             server = LocalServer().start()
             address = server.address
-        for response in stream_file(address, args.file, args.realtime, args.interim, args.words):
+        for response in stream_file(address, path, realtime, interim, words):
             for result in response.results:
-                if result.is_final or args.interim:
-                    print(format_result(result, args.words), flush=True)
+                if result.is_final or interim:
+                    print(format_result(result, words), flush=True)
     except grpc.RpcError as err:
         print(f"cosystream transcribe: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -8,22 +8,21 @@ beta``. Frames whose blank probability is at least ``blank_skip`` only carry eve
 O(beam_size * tokens tried) Python operations per non-blank frame; ``benchmarks/accuracy.py`` prints it per
 10 ms frame.
 
-It has the greedy :class:`~cosystream.server.ctc.CtcDecoder`'s interface; :meth:`push` reads every
+It has the greedy :class:`~cosystream.decoding.greedy.CtcDecoder`'s interface; :meth:`push` reads every
 column of the engine's ``[frames, top_k]`` candidates, where greedy decoding reads only the first.
 """
 
 from __future__ import annotations
 
-import gzip
 import heapq
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from cosystream.server.ctc import Word
-from cosystream.server.lm import NgramLm
+from cosystream.decoding.greedy import Word
+from cosystream.decoding.lexicon import Lexicon
+from cosystream.decoding.lm import NgramLm
 
 _NEG = -1e30
 
@@ -47,81 +46,6 @@ class BeamConfig:
     blank_skip: float = 0.99  # frames with P(blank) >= this only carry prefixes over
     max_tokens: int = 6  # at most this many tokens tried per frame
     score_prune: float = 7.0  # drop prefixes more than this many nats below the frame's best
-
-
-def read_spellings(path: str | Path) -> dict[str, str]:
-    """A pronunciation lexicon file: ``word<TAB>spelling`` per line, the spelling in the model's
-    one-character tokens (gzip when the name ends in .gz)."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    spellings: dict[str, str] = {}
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            word, tab, spelling = line.rstrip("\n").partition("\t")
-            if not tab or not word or not spelling:
-                raise ValueError(f"{path}:{number}: expected 'word<TAB>spelling'")
-            spellings[word] = spelling
-    return spellings
-
-
-class Lexicon:
-    """A trie of the words the beam search may spell, over the model's tokens.
-
-    A word is spelled by its letters, or, with ``spellings`` (word -> a string of one-character tokens, e.g.
-    a phoneme model's pronunciations), by that string. Words with the same spelling (homophones) share a
-    node: the ``homophones`` likeliest by unigram are kept, and each completes the spelling as a separate
-    hypothesis, so the language model's context chooses among them.
-
-    Node: ``[children, words, lookahead, guess]``: ``words`` a tuple (or None), ``lookahead`` the best unigram
-    ln P of the words below (0 at the root), ``guess`` that word (shown for a word still being spelled).
-    """
-
-    def __init__(
-        self,
-        words,
-        vocabulary: list[str],
-        lm: NgramLm | None = None,
-        spellings: dict[str, str] | None = None,
-        homophones: int = 3,
-    ) -> None:
-        self.ids = {ch: i for i, ch in enumerate(vocabulary) if i > 0 and ch != " "}
-        self.spelled = spellings is None  # words are spelled by their own letters
-        self.root: list = [{}, None, 0.0, None]
-        self.size = 0
-        unigram = (lambda w: lm.score((), w)[0]) if lm is not None else (lambda w: 0.0)
-        for w in words:
-            spelling = w if spellings is None else spellings.get(w)
-            if not w or not spelling or any(ch not in self.ids for ch in spelling):
-                continue
-            node = self.root
-            for ch in spelling:
-                node = node[0].setdefault(self.ids[ch], [{}, None, 0.0, None])
-            if node[1] is None:
-                node[1] = (w,)
-            elif w not in node[1]:
-                node[1] = (*node[1], w)
-        self._settle(self.root, unigram, homophones, 0)
-
-    def _settle(self, node: list, unigram, homophones: int, depth: int) -> tuple[float, str | None]:
-        """Rank each node's homophones and store the best reachable word and its unigram ln P below it."""
-        best, guess = -1e9, None
-        if node[1] is not None:
-            ranked = sorted((-unigram(w), w) for w in node[1])
-            node[1] = tuple(w for _, w in ranked[:homophones])
-            self.size += len(node[1])  # the words it can recognize
-            best, guess = -ranked[0][0], ranked[0][1]
-        for child in node[0].values():
-            score, word = self._settle(child, unigram, homophones, depth + 1)
-            if score > best:
-                best, guess = score, word
-        node[2] = best if depth else 0.0
-        node[3] = guess
-        return best, guess
-
-    @classmethod
-    def from_lm(cls, lm: NgramLm, vocabulary: list[str], spellings: dict[str, str] | None = None) -> Lexicon:
-        """The language model's words (``<s>``, ``</s>`` and ``<unk>`` left out)."""
-        return cls([w for w in lm.words if lm.known(w)], vocabulary, lm, spellings)
 
 
 class _Prefix:

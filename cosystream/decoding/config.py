@@ -1,13 +1,12 @@
 """Which CTC decoder a server's sessions use, and building one per utterance stream.
 
-``greedy`` reads each frame's best token; ``beam`` runs :class:`~cosystream.server.beam.BeamCtcDecoder`
+``greedy`` reads each frame's best token; ``beam`` runs :class:`~cosystream.decoding.beam.BeamCtcDecoder`
 against a word n-gram language model (ARPA). ``auto`` picks ``beam`` when the model directory ships a
 ``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. A model whose tokens are
 phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search spells words by it, and
-``greedy`` is refused (it would print phonemes; ``--beam-size`` is the way to a cheaper search). The engine
-process resolves
-the choice once and passes it to every frontend in its HELLO, with the ``top_k`` token candidates per frame
-it sends for beam search.
+``greedy`` is refused (it would print phonemes; ``--beam-size`` is the way to a cheaper search). The
+application resolves the choice once against the model and hands it to the frontends; the engine is only
+told :attr:`DecoderConfig.top_k`, the token candidates per frame to send.
 """
 
 from __future__ import annotations
@@ -18,11 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder
+from cosystream.decoding.greedy import CtcDecoder
+from cosystream.decoding.lexicon import Lexicon, read_spellings
+from cosystream.decoding.lm import NgramLm
 from cosystream.frames import FRAME_MS
 from cosystream.models.loading import DEFAULT_MODEL_DIR
-from cosystream.server.beam import BeamConfig, BeamCtcDecoder, Lexicon, read_spellings
-from cosystream.server.ctc import CtcDecoder
-from cosystream.server.lm import NgramLm
 
 log = logging.getLogger(__name__)
 

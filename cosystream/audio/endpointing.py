@@ -1,4 +1,4 @@
-"""Voice activity per 10 ms frame and the endpointing state machine built on it.
+"""The endpointing state machine over per-frame voice activity (:mod:`cosystream.audio.vad`).
 
 The frontend runs, per session and per frame::
 
@@ -17,80 +17,9 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
-import numpy as np
-import webrtcvad
-
-from cosystream.frames import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from cosystream.frames import FRAME_MS
 
 logger = logging.getLogger(__name__)
-
-
-class Vad:
-    """webrtcvad on one 10 ms frame of 16 kHz float32 audio.
-
-    webrtcvad takes only 10/20/30 ms of 16-bit mono PCM, as a bytes-like object whose
-    ``len`` is the byte count (a numpy array or int16 memoryview is rejected), so frames are
-    converted into one preallocated ``bytearray`` through an int16 view of it.
-    """
-
-    __slots__ = ("_pcm", "_pcm_bytes", "_scaled", "_vad")
-
-    def __init__(self, aggressiveness: int = 2) -> None:
-        if not 0 <= aggressiveness <= 3:
-            raise ValueError(f"VAD aggressiveness must be 0..3, got {aggressiveness}")
-        self._vad = webrtcvad.Vad(aggressiveness)
-        self._pcm_bytes = bytearray(FRAME_SAMPLES * 2)
-        self._pcm = np.frombuffer(self._pcm_bytes, dtype="<i2")
-        self._scaled = np.zeros(FRAME_SAMPLES, dtype=np.float32)
-
-    def is_speech(self, frame: np.ndarray) -> bool:
-        """True if webrtcvad classifies this ``[160]`` float32 frame (values in [-1, 1]) as speech."""
-        if frame.shape != (FRAME_SAMPLES,):
-            raise ValueError(f"expected one frame of shape ({FRAME_SAMPLES},), got {frame.shape}")
-        np.multiply(frame, 32768.0, out=self._scaled)
-        np.clip(self._scaled, -32768.0, 32767.0, out=self._scaled)
-        np.copyto(self._pcm, self._scaled, casting="unsafe")
-        return self._vad.is_speech(self._pcm_bytes, SAMPLE_RATE_HZ)
-
-
-class FrameRing:
-    """The last ``capacity`` frames, so pre-roll can be forwarded once speech is confirmed.
-
-    Storage is one ``[capacity, frame_samples]`` array allocated up front; ``push`` copies a
-    frame into the next slot. Size it with :attr:`Endpointer.max_forward_frames`.
-    """
-
-    __slots__ = ("_buf", "_count", "_head", "_offsets", "capacity")
-
-    def __init__(self, capacity: int, frame_samples: int = FRAME_SAMPLES) -> None:
-        if capacity <= 0:
-            raise ValueError(f"FrameRing capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._buf = np.zeros((capacity, frame_samples), dtype=np.float32)
-        self._offsets = np.arange(capacity)
-        self._head = 0  # slot the next push writes
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def push(self, frame: np.ndarray) -> None:
-        """Store one frame, overwriting the oldest when full."""
-        self._buf[self._head] = frame
-        self._head = (self._head + 1) % self.capacity
-        self._count = min(self._count + 1, self.capacity)
-
-    def last(self, k: int) -> np.ndarray:
-        """Copy of the ``k`` most recent frames, oldest first, as ``[k, frame_samples]``."""
-        if not 0 <= k <= self._count:
-            raise ValueError(f"asked for the last {k} frames but the ring holds {self._count}")
-        if k == 1:
-            return self._buf[self._head - 1][None].copy()
-        return self._buf[(self._head - k + self._offsets[:k]) % self.capacity]
-
-    def clear(self) -> None:
-        self._head = 0
-        self._count = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,152 @@
+"""Checks the import graph against the package's layer order; exits 1 with each offending import.
+
+The layers, top to bottom (a layer imports only the layers listed for it, never one above)::
+
+    app       the CLI, supervisor, in-process server, naive baseline, transcribe, eval
+    server    gRPC: servicer, sessions, engine client, frontend, Google / Riva adapters
+    engine    the engine process, IPC messages, scheduler, tick loop
+    runtime   state slab, runner, CUDA graphs
+    models    the streaming-model contract and the models
+    audio     codecs, resampling, framing, WAV, VAD, endpointing     (below server; imports no engine)
+    decoding  greedy CTC, beam search, lexicon, LM                   (below server; imports no engine)
+    base      cosystream, frames, logs, metrics
+    api       cosystream.v1: the generated wire API and its client helpers
+
+``clients/`` may import only ``cosystream.v1``. There is no import cycle anywhere in the package,
+``training/``, ``benchmarks/`` or ``clients/`` (imports inside functions count: they are cycles too).
+
+    python scripts/check_layers.py [ROOT]
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ALLOWED: dict[str, set[str]] = {
+    "api": set(),
+    "base": set(),
+    "audio": {"base"},
+    "decoding": {"base", "models"},
+    "models": {"base"},
+    "runtime": {"models", "base"},
+    "engine": {"runtime", "models", "base"},
+    "server": {"engine", "runtime", "models", "audio", "decoding", "base", "api"},
+    "app": {"server", "engine", "runtime", "models", "audio", "decoding", "base", "api"},
+}
+_SUBPACKAGE_LAYERS = {"v1": "api", "app": "app", "server": "server", "engine": "engine", "runtime": "runtime"}
+_SUBPACKAGE_LAYERS |= {"models": "models", "audio": "audio", "decoding": "decoding", "__main__": "app"}
+TREES = ("cosystream", "training", "benchmarks", "clients")
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a ``cosystream`` module, or None outside the package."""
+    parts = module.split(".")
+    if parts[0] != "cosystream":
+        return None
+    if len(parts) == 1:
+        return "base"
+    return _SUBPACKAGE_LAYERS.get(parts[1], "base")
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(root: Path, path: Path, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, module) for every import in a file, resolved to the modules of the tree where it names one."""
+    name = module_name(root, path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if sub in modules else base))
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def check(root: Path) -> list[str]:
+    files = {module_name(root, p): p for tree in TREES for p in sorted((root / tree).rglob("*.py"))}
+    modules = set(files)
+    problems: list[str] = []
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        where = path.relative_to(root)
+        own = layer_of(name)
+        for line, target in imports(root, path, modules):
+            if target not in modules and not target.startswith("cosystream"):
+                continue  # a third-party or standard-library module
+            if target != name:
+                graph.setdefault(name, set()).add(target)
+            theirs = layer_of(target)
+            if name.startswith("clients") and theirs is not None and theirs != "api":
+                problems.append(f"{where}:{line}: a client imports {target}; clients use only cosystream.v1")
+            if own is not None and theirs is not None and theirs != own and theirs not in ALLOWED[own]:
+                problems.append(f"{where}:{line}: {own} imports {target} ({theirs}), against the layer order")
+    for component in cycles(graph):
+        problems.append("import cycle: " + " <-> ".join(component))
+    return problems
+
+
+def main() -> int:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
+    problems = check(root)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(
+            f"{len(problems)} layering problem(s); the rules: scripts/check_layers.py's docstring", file=sys.stderr
+        )
+        return 1
+    print("layers: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
