@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `clients` importable from
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
-from clients.telephony.config import parse_port_range
+from clients.telephony.config import LOOPBACK, parse_networks, parse_port_range
 from cosystream.v1.client import server_address
 
 
@@ -52,6 +52,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--audiosocket-port", type=int, help="also accept Asterisk AudioSocket connections on this TCP port"
     )
+    # Who may call (docs/SECURITY.md); --max-calls above caps how many at once.
+    parser.add_argument(
+        "--allow",
+        action="append",
+        metavar="CIDR",
+        help="answer SIP and AudioSocket only from this network (an address is one host); repeatable"
+        " (default: 127.0.0.0/8 and ::1, this host only)",
+    )
+    parser.add_argument("--sip-user", default="", help="require SIP digest authentication of INVITEs as this user")
+    parser.add_argument(
+        "--sip-password", default="", help="the digest password (other local users may see it in ps; see the next)"
+    )
+    parser.add_argument(
+        "--sip-password-file", type=Path, help="read the digest password from this file's first line"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
 
@@ -70,7 +85,25 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         jitter_ms=args.jitter_ms,
         ring_ms=args.ring_ms,
         audiosocket_port=args.audiosocket_port,
+        **access_from_args(args),
     )
+
+
+def access_from_args(args: argparse.Namespace) -> dict:
+    """The GatewayConfig fields of --allow, --sip-user, --sip-password(-file)."""
+    password = args.sip_password
+    if args.sip_password_file is not None:
+        if password:
+            raise ValueError("give --sip-password or --sip-password-file, not both")
+        try:
+            password = args.sip_password_file.read_text(encoding="utf-8").splitlines()[0]
+        except (OSError, IndexError) as err:
+            raise ValueError(f"cannot read a password from {args.sip_password_file}: {err}") from None
+    return {
+        "allow": parse_networks(args.allow) if args.allow else LOOPBACK,
+        "sip_user": args.sip_user,
+        "sip_password": password,
+    }
 
 
 async def serve(config: GatewayConfig, jsonl: Path | None, webhook_url: str | None) -> None:

@@ -336,11 +336,16 @@ class Gateway:
 class Phone:
     """A crafted SIP user agent client on a loopback UDP socket."""
 
-    def __init__(self, gateway: tuple[str, int], codecs: str = "0 8 101"):
+    def __init__(self, gateway: tuple[str, int], codecs: str = "0 8 101", media: socket.socket | None = None):
         self.gateway = gateway
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
+        # RTP goes out of this socket, whose port the offer names: the gateway takes media from there only.
+        self.media = media or socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        if media is None:
+            self.media.bind(("127.0.0.1", 0))
+        self.media_port = self.media.getsockname()[1]
         self.call_id = f"{uuid.uuid4().hex}@127.0.0.1"
         self.tag = uuid.uuid4().hex[:8]
         self.to_tag = ""
@@ -351,6 +356,7 @@ class Phone:
 
     def close(self):
         self.sock.close()
+        self.media.close()
 
     def request(self, method: str, *, branch: str | None = None, body: bytes = b"") -> bytes:
         to = "<sip:asr@127.0.0.1>" + (f";tag={self.to_tag}" if self.to_tag and method != "CANCEL" else "")
@@ -389,7 +395,7 @@ class Phone:
     def offer(self) -> bytes:
         rtpmap = {"0": "PCMU/8000", "8": "PCMA/8000", "101": "telephone-event/8000", "9": "G722/8000"}
         lines = ["v=0", "o=- 1 1 IN IP4 127.0.0.1", "s=-", "c=IN IP4 127.0.0.1", "t=0 0"]
-        lines.append(f"m=audio {self.port + 2} RTP/AVP {self.codecs}")
+        lines.append(f"m=audio {self.media_port} RTP/AVP {self.codecs}")
         lines += [f"a=rtpmap:{pt} {rtpmap[pt]}" for pt in self.codecs.split()]
         return ("\r\n".join([*lines, "a=sendrecv"]) + "\r\n").encode()
 
@@ -564,7 +570,7 @@ def test_a_caller_that_stops_sending_gets_its_final_then_a_bye(gateway, phone, c
     p = phone()
     assert p.invite().status == 200
     speech_only = audio[: span_ms[1] * RATE_HZ // 1000 + 80]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+    with p.media as media:
         send_paced(media, p.rtp, rtp_stream(g711(speech_only, p.codec), pt=0))
     deadline = time.monotonic() + 2.5  # the RTP timeout is 3 s
     while not [line for line in gateway.lines(p.call_id) if line["is_final"]]:
@@ -599,7 +605,7 @@ def test_crafted_call_with_reordering_loss_dtmf_and_an_ssrc_change(gateway, phon
     packets[40:40] = [packets[38]]
     rtcp = bytes([0x80, 201, 0, 1]) + bytes(4)
     packets[10:10] = [rtcp]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+    with p.media as media:
         send_paced(media, p.rtp, packets, pace_s=0.01)
     time.sleep(0.1)
     assert p.bye().status == 200
@@ -617,7 +623,7 @@ def test_malformed_datagrams_are_ignored(gateway, phone, call_audio):
     assert p.invite().status == 200
     junk = [b"", b"\x00", b"\xff" * 11, b"\x80", bytes(range(256)), b"INVITE\r\n\r\n", b"SIP/2.0 200\r\n\r\n"]
     packets = rtp_stream(g711(audio, p.codec), pt=0 if p.codec == "PCMU" else 8)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+    with p.media as media:
         for i, data in enumerate(junk):
             packets.insert(3 + 7 * i, data + b"junk")
             media.sendto(data or b"\r\n", gateway.address)
@@ -637,7 +643,7 @@ def test_ten_concurrent_calls(gateway, phone, call_audio):
 
     def call(p: Phone):
         assert p.invite().status == 200
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as media:
+        with p.media as media:
             send_paced(media, p.rtp, rtp_stream(g711(audio, p.codec), pt=0, ssrc=p.port))
         assert p.bye().status == 200
 
@@ -719,7 +725,7 @@ class LossyProxy(threading.Thread):
     """Forwards UDP to ``destination``, holding every 6th packet back by one (a swap) and dropping
     every 25th."""
 
-    def __init__(self, destination: tuple[str, int]):
+    def __init__(self, destination: tuple[str, int] | None = None):
         super().__init__(daemon=True)
         self.destination = destination
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -762,9 +768,10 @@ def test_gstreamer_rtp_through_a_lossy_reordering_proxy(gateway, phone, tmp_path
     audio, span_ms = call_audio
     wav = tmp_path / "in.wav"
     write_wav(wav, audio)
-    p = phone(codecs="0")
+    proxy = LossyProxy()
+    p = phone(codecs="0", media=proxy.sock)  # the proxy forwards from the port the offer names
     assert p.invite().status == 200
-    proxy = LossyProxy(p.rtp)
+    proxy.destination = p.rtp
     proxy.start()
     pipeline = (
         f"filesrc location={wav} ! wavparse ! audioconvert ! audioresample ! audio/x-raw,rate=8000,channels=1"
@@ -825,7 +832,7 @@ def test_server_outage_ends_calls_without_a_crash(tmp_path, call_audio):
         assert first.invite().status == 200
         assert second.invite().status == 486  # --max-calls 1
         packets = rtp_stream(g711(np.tile(audio, 3), first.codec), pt=0)
-        media = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        media = stack.enter_context(first.media)
         threading.Thread(target=send_paced, args=(media, first.rtp, packets, 0.02), daemon=True).start()
         time.sleep(1.0)
         server.stop()

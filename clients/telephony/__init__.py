@@ -3,8 +3,8 @@ through the public gRPC API, one JSON line per result. The command line is ``cli
 
 Modules, from the wire up: :mod:`.sip` and :mod:`.sdp` (messages), :mod:`.rtp` (packets, jitter
 buffer, ports), :mod:`.asr` (one cosystream session), :mod:`.call` (one call's media and clock),
-:mod:`.uas` (SIP signalling), :mod:`.audiosocket`, :mod:`.output` (JSON lines, webhook),
-:mod:`.gateway` (wiring).
+:mod:`.uas` (SIP signalling), :mod:`.audiosocket`, :mod:`.security` (``--allow``, digest
+authentication, what they refused), :mod:`.output` (JSON lines, webhook), :mod:`.gateway` (wiring).
 """
 
 from .config import GatewayConfig

@@ -7,6 +7,9 @@ dialplan) and sends frames of a 3-byte header (kind, 16-bit big-endian length) a
 
 Each connection is one cosystream session (LINEAR16, 8000 Hz, REALTIME); the hang-up (or the
 connection closing) half-closes it, and the connection is closed after the last final.
+
+AudioSocket has no authentication: a connection from outside ``config.allow`` is reset at once,
+before a byte is read.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import uuid
 
 import grpc
@@ -25,6 +30,7 @@ from .asr import AsrStream, streaming_config
 from .call import CallSlots
 from .config import GatewayConfig
 from .output import CallInfo, ResultSink
+from .security import AllowList, SecurityStats, should_log
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +56,17 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
 
 
 class AudioSocketServer:
-    def __init__(self, config: GatewayConfig, stub: pb_grpc.CosyStreamStub, sink: ResultSink, slots: CallSlots):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        stub: pb_grpc.CosyStreamStub,
+        sink: ResultSink,
+        slots: CallSlots,
+        security: SecurityStats | None = None,
+    ):
         self.config = config
+        self.security = security or SecurityStats()
+        self._allow = AllowList(config.allow)
         self._stub = stub
         self._sink = sink
         self._slots = slots
@@ -64,7 +79,7 @@ class AudioSocketServer:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.config.bind, self.config.audiosocket_port)
         self.address = self._server.sockets[0].getsockname()[:2]
-        logger.info("AudioSocket on tcp %s:%d", *self.address)
+        logger.info("AudioSocket on tcp %s:%d, from %s only", *self.address, self._allow.describe())
 
     async def stop(self) -> None:
         """Stop listening; end every call (its last final flushed, for up to ``flush_timeout_s``)."""
@@ -83,6 +98,9 @@ class AudioSocketServer:
         self._sessions.add(task)
         peer = writer.get_extra_info("peername") or ("?", 0)
         try:
+            if peer[0] not in self._allow:
+                self._refuse(writer, peer)
+                return
             if not self._slots.try_acquire():
                 logger.warning("AudioSocket %s:%d refused: %d calls already", *peer[:2], self._slots.active)
                 writer.write(frame(KIND_HANGUP))
@@ -98,6 +116,20 @@ class AudioSocketServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    def _refuse(self, writer: asyncio.StreamWriter, peer: tuple) -> None:
+        self.security.audiosocket_refused += 1
+        if should_log(self.security.audiosocket_refused):
+            logger.warning(
+                "AudioSocket %s:%d refused: not in --allow %s (%d refused)",
+                *peer[:2],
+                self._allow.describe(),
+                self.security.audiosocket_refused,
+            )
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # linger 0: the close resets the connection rather than ending it politely
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     async def _serve(self, reader: asyncio.StreamReader, peer: tuple) -> None:
         first = await asyncio.wait_for(read_frame(reader), self.config.rtp_timeout_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 
@@ -14,6 +15,7 @@ from .asr import ENCODING_OF_CODEC, SAMPLE_RATE_HZ, AsrStream, streaming_config
 from .config import GatewayConfig
 from .output import CallInfo, ResultSink
 from .rtp import SILENCE_BYTE, JitterBuffer, PortPool, RtpError, parse_rtp
+from .security import SecurityStats, should_log
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,12 @@ class RtpCall:
     stops the media, flushes the buffer and half-closes the session, and :meth:`run` returns once the
     server sent the last final (or ``flush_timeout_s`` passed). A failed session raises from
     :meth:`run` as ``grpc.aio.AioRpcError``.
+
+    Only datagrams from ``remote``, the address and port of the caller's SDP (``c=`` and ``m=``), are
+    media: anything else on the port is dropped before it is parsed, and counted (``dropped_foreign``,
+    and the gateway's total), so nobody can inject audio into a live call. There is no latching onto
+    the first source seen (symmetric RTP): behind a NAT the caller's SDP must carry its public
+    address, or an SBC must sit in between.
     """
 
     def __init__(
@@ -83,6 +91,8 @@ class RtpCall:
         config: GatewayConfig,
         sink: ResultSink,
         malformed: MalformedLog,
+        remote: tuple[str, int],
+        security: SecurityStats,
     ):
         self.info = info
         self.codec = codec
@@ -94,6 +104,10 @@ class RtpCall:
             lambda result: sink.write(info, result),
         )
         self._malformed = malformed
+        self._security = security
+        self.remote = ("", 0)
+        self.expect_from(remote)
+        self.dropped_foreign = 0
         self.port: int | None = None
         self._pool: PortPool | None = None
         self._transport: asyncio.DatagramTransport | None = None
@@ -134,8 +148,35 @@ class RtpCall:
     def hung_up(self) -> bool:
         return self._hangup_s is not None
 
+    def expect_from(self, remote: tuple[str, int]) -> None:
+        """Take media from ``remote`` (the offer's, or a re-INVITE's when the media moves)."""
+        host, port = remote
+        try:
+            host = str(ipaddress.ip_address(host))  # the spelling the socket reports sources in
+        except ValueError:
+            logger.warning(
+                "call %s: the SDP's c= address %r is not an IP address: every RTP packet will be dropped",
+                self.info.call_id,
+                host,
+            )
+        if self.remote != ("", 0) and (host, port) != self.remote:
+            logger.info("call %s: media moves from %s:%d to %s:%d", self.info.call_id, *self.remote, host, port)
+        self.remote = (host, port)
+
     def on_datagram(self, data: bytes, source: tuple[str, int]) -> None:
         if self.hung_up:
+            return
+        if (source[0], source[1]) != self.remote:
+            self.dropped_foreign += 1
+            self._security.rtp_dropped += 1
+            if should_log(self.dropped_foreign):
+                logger.warning(
+                    "call %s: dropped RTP datagram #%d from %s:%d: the call's SDP says %s:%d (spoofed, or a NAT?)",
+                    self.info.call_id,
+                    self.dropped_foreign,
+                    *source[:2],
+                    *self.remote,
+                )
             return
         try:
             packet = parse_rtp(data)
@@ -213,5 +254,6 @@ class RtpCall:
         return (
             f"{self.asr.sent_ms / 1000:.1f} s of audio, {self.asr.finals} finals, {stats.received} packets"
             f" ({stats.lost} lost, {stats.late} late, {stats.duplicate} duplicate, {stats.reordered} reordered,"
-            f" {stats.ssrc_changes} SSRC changes)"
+            f" {stats.ssrc_changes} SSRC changes), {self.dropped_foreign} from elsewhere than"
+            f" {self.remote[0]}:{self.remote[1]} dropped"
         )

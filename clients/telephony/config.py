@@ -3,7 +3,12 @@ that reads flags into it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, field
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# The default --allow: this host only. Opening the gateway to a network is a deliberate act.
+LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -11,7 +16,9 @@ class GatewayConfig:
     """Where the gateway listens, where it sends audio, and how calls are timed.
 
     ``sip_port`` 0 binds an ephemeral port (tests); ``audiosocket_port`` None turns the Asterisk
-    AudioSocket listener off, 0 binds an ephemeral one.
+    AudioSocket listener off, 0 binds an ephemeral one. ``allow`` are the networks whose SIP requests
+    and AudioSocket connections are answered; ``sip_user`` and ``sip_password`` (both or neither)
+    turn on digest authentication of INVITEs (docs/SECURITY.md).
     """
 
     server: str = "localhost:50051"
@@ -37,6 +44,12 @@ class GatewayConfig:
     flush_timeout_s: float = 10.0
     audiosocket_port: int | None = None
     user_agent: str = "cosystream-telephony"
+    allow: tuple[Network, ...] = LOOPBACK
+    sip_user: str = ""
+    sip_password: str = field(default="", repr=False)
+    sip_realm: str = "cosystream"
+    # How long the nonce of a 401 challenge may be answered (each is good for one request).
+    nonce_lifetime_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.sip_port <= 65535:
@@ -55,6 +68,12 @@ class GatewayConfig:
             raise ValueError("jitter_ms and ring_ms must be >= 0, idle_fill_ms >= 20")
         if self.audiosocket_port is not None and not 0 <= self.audiosocket_port <= 65535:
             raise ValueError(f"audiosocket_port {self.audiosocket_port} is not a TCP port")
+        if not self.allow:
+            raise ValueError("allow must name at least one network")
+        if bool(self.sip_user) != bool(self.sip_password):
+            raise ValueError("--sip-user and --sip-password go together")
+        if '"' in self.sip_realm or "\\" in self.sip_realm or self.nonce_lifetime_s <= 0:
+            raise ValueError("sip_realm must not hold quotes or backslashes, nonce_lifetime_s must be positive")
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -63,3 +82,15 @@ def parse_port_range(text: str) -> tuple[int, int]:
     if not sep:
         raise ValueError(f"expected LO-HI, got {text!r}")
     return int(lo), int(hi)
+
+
+def parse_networks(texts: list[str]) -> tuple[Network, ...]:
+    """``["10.0.0.0/8", "192.0.2.7", "2001:db8::/32"]`` -> networks; a bare address is one host, and
+    host bits are masked (``10.1.2.3/8`` is ``10.0.0.0/8``)."""
+    networks = []
+    for text in texts:
+        try:
+            networks.append(ipaddress.ip_network(text.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"--allow {text!r} is not an address or a CIDR network (10.0.0.0/8, ::1)") from None
+    return tuple(networks)

@@ -16,6 +16,7 @@ from .audiosocket import AudioSocketServer
 from .call import CallSlots
 from .config import GatewayConfig
 from .output import ResultSink
+from .security import SecurityStats
 from .uas import SipUas
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Gateway:
         self.config = config
         self.sink = sink or ResultSink(sys.stdout)
         self.slots = CallSlots(config.max_calls)
+        self.security = SecurityStats()  # what --allow, digest authentication and the RTP source check refused
         self._channel: grpc.aio.Channel | None = None
         self.sip: SipUas | None = None
         self.audiosocket: AudioSocketServer | None = None
@@ -47,11 +49,11 @@ class Gateway:
         self._channel.get_state(try_to_connect=True)
         if self.sink.webhook is not None:
             self.sink.webhook.start()
-        self.sip = SipUas(self.config, self._channel, self.sink, self.slots)
+        self.sip = SipUas(self.config, self._channel, self.sink, self.slots, self.security)
         await self.sip.start()
         if self.config.audiosocket_port is not None:
             self.audiosocket = AudioSocketServer(
-                self.config, pb_grpc.CosyStreamStub(self._channel), self.sink, self.slots
+                self.config, pb_grpc.CosyStreamStub(self._channel), self.sink, self.slots, self.security
             )
             await self.audiosocket.start()
         logger.info("gateway ready: cosystream at %s, at most %d calls", self.config.server, self.config.max_calls)
@@ -95,6 +97,7 @@ class Gateway:
             await self.sink.webhook.stop()
         if self._channel is not None:
             await self._channel.close()
+        logger.info("gateway stopped: %s", self.security.summary())
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

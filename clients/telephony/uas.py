@@ -2,11 +2,18 @@
 each call as an :class:`~.call.RtpCall`.
 
 Requests: INVITE (100, 180, then 200 with an SDP answer; 488 without PCMU/PCMA; 486 at
-``max_calls``; 503 while the cosystream server is unreachable; re-INVITEs get the same answer), ACK,
+``max_calls``; 503 while the cosystream server is unreachable; re-INVITEs get the same answer and
+move the accepted RTP source to their offer's), ACK,
 BYE and CANCEL (200 and teardown; a CANCEL that arrives after the 200 is answered 200 and changes
 nothing, as RFC 3261 9.2 says), OPTIONS (200); anything else 501. A retransmitted request gets the
 response sent before; final INVITE responses are retransmitted until the ACK, and the gateway's own
 BYE until its response (RFC 3261 17, on UDP).
+
+Access (docs/SECURITY.md): a request from outside ``config.allow`` is answered 403 Forbidden without
+any state kept (other datagrams from there are dropped); with ``sip_user`` set, an INVITE (a re-INVITE
+too) without valid digest credentials gets 401 Unauthorized and a challenge, before anything else is
+looked at. ACK, BYE, CANCEL and OPTIONS are not challenged (ACK and CANCEL cannot be, RFC 3261 22.1;
+BYE and CANCEL must match a dialog or transaction the caller already holds).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from .config import GatewayConfig
 from .output import CallInfo, ResultSink
 from .rtp import PortPool
 from .sdp import SdpError, answer_sdp, negotiate
+from .security import SecurityStats, SipGuard
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +98,7 @@ class SipUas:
         channel: grpc.aio.Channel,
         sink: ResultSink,
         slots: CallSlots,
+        security: SecurityStats | None = None,
     ):
         self.config = config
         self._channel = channel
@@ -104,6 +113,8 @@ class SipUas:
         self._malformed_sip = MalformedLog("SIP", logger)
         self._malformed_rtp = MalformedLog("RTP", logging.getLogger("clients.telephony.call"))
         self._tasks: set[asyncio.Task] = set()
+        self.security = security or SecurityStats()
+        self._guard = SipGuard(config, self.security)
         self.stopping = False
         self.address: tuple[str, int] = (config.bind, config.sip_port)
 
@@ -116,6 +127,7 @@ class SipUas:
         logger.info(
             "SIP on udp %s:%d, RTP ports %d-%d", *self.address, self.config.rtp_port_min, self.config.rtp_port_max
         )
+        self._guard.log_policy()
 
     async def stop(self) -> None:
         """Refuse new calls, hang up the live ones (BYE, last finals flushed), then close the socket."""
@@ -141,6 +153,10 @@ class SipUas:
     def datagram_received(self, data: bytes, source: tuple[str, int]) -> None:
         if not data.strip():
             return  # CRLF keep-alive (RFC 5626)
+        if source[0] not in self._guard.allow:
+            if reply := self._guard.refusal(data, source):
+                self._send(reply, source)
+            return
         try:
             message = sip.parse(data)
         except sip.SipError as err:
@@ -271,6 +287,9 @@ class SipUas:
 
     def _on_invite(self, tx: Transaction) -> None:
         request = tx.request
+        if challenge := self._guard.challenge(request, tx.source):
+            self._respond(tx, 401, "Unauthorized", headers=[("WWW-Authenticate", challenge)])
+            return
         if request.to_tag:
             self._on_reinvite(tx)
             return
@@ -312,6 +331,10 @@ class SipUas:
             return
         tx.local_tag = dialog.local_tag
         dialog.invite = tx  # its ACK now stops this 200's retransmissions
+        if tx.request.body:
+            with contextlib.suppress(SdpError):
+                if (negotiated := negotiate(tx.request.body)) is not None:
+                    dialog.media.expect_from(negotiated.remote)  # the media moved (a PBX's direct media)
         self._respond(tx, 200, "OK", headers=self._answer_headers(tx), body=dialog.sdp)
 
     def _answer_headers(self, tx: Transaction) -> list[tuple[str, str]]:
@@ -334,6 +357,8 @@ class SipUas:
             self.config,
             self._sink,
             self._malformed_rtp,
+            negotiated.remote,
+            self.security,
         )
         answered = False
         try:
