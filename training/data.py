@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cosystream.frames import FRAME_SAMPLES
 from training.augment import augment, channel_gains_db, spec_masks, warp_factors
 from training.corpus import load_shard
 
-HOP = 160  # samples per feature frame (10 ms at 16 kHz)
+HOP = FRAME_SAMPLES  # samples per feature frame (10 ms at 16 kHz)
 
 
 class Corpus:

@@ -199,7 +199,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is None:
             return None
-        pcm = self.queue.take(plan.slots, plan.frames)
+        # Gathered straight into the runner's input buffer: no copy of the step's audio between the two.
+        pcm = self.queue.take(plan.slots, plan.frames, self.runner.input_buffer(plan.rows, plan.frames))
         started = time.perf_counter()
         result = self.runner.run(plan.slots, pcm)
         self.update_from_output(plan, result, time.perf_counter() - started)

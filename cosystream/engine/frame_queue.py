@@ -47,11 +47,22 @@ class FrameQueue:
         self._tail[slot] += count
         return count
 
-    def take(self, slots: list[int], frames: int) -> np.ndarray:
-        """The next ``frames`` frames of each slot, as one ``[len(slots), frames * 160]`` array, and dequeue them."""
+    def take(self, slots: list[int], frames: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The next ``frames`` frames of each slot as one ``[len(slots), frames * 160]`` array (written into
+        ``out`` when given: the runner's input buffer), and dequeue them."""
         rows = np.asarray(slots)
         index = (self._head[rows][:, None] + self._offsets[:frames]) % self.capacity
-        pcm = self._frames[rows[:, None], index].reshape(len(rows), frames * FRAME_SAMPLES)
+        if out is None:
+            pcm = self._frames[rows[:, None], index].reshape(len(rows), frames * FRAME_SAMPLES)
+        else:
+            pcm = out
+            np.take(
+                self._frames.reshape(-1, FRAME_SAMPLES),
+                rows[:, None] * self.capacity + index,
+                axis=0,
+                out=out.reshape(len(rows), frames, FRAME_SAMPLES),
+                mode="clip",  # (the indices are in range; "raise" would gather into a temporary first)
+            )
         self._head[rows] += frames
         return pcm
 

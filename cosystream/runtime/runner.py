@@ -113,6 +113,16 @@ class Runner:
                 return bucket
         raise ValueError(f"{rows} rows exceed the largest batch bucket {self.batch_buckets[-1]}")
 
+    def input_buffer(self, rows: int, frames_per_step: int) -> np.ndarray | None:
+        """Where ``run`` reads a step's host input: ``[rows, T * 160]`` float32 that a caller may fill in
+        place (then ``run`` copies nothing before the device copy), or None when the model's input is not
+        float32. Valid until the next ``run``."""
+        staging = self._host_pcm if self._cuda else self._pcm
+        buffer = staging.get(frames_per_step)
+        if buffer is None or buffer.dtype != torch.float32 or rows > len(buffer):
+            return None
+        return buffer[:rows].numpy()
+
     def run(
         self, slot_ids: Sequence[int], frames: np.ndarray | torch.Tensor, return_logits: bool = False
     ) -> StepResult:
@@ -136,9 +146,11 @@ class Runner:
         frames = torch.as_tensor(frames)
         if self._cuda and frames.device.type == "cpu":
             staged = self._host_pcm[frames_per_step][:rows]
-            staged.copy_(frames)
+            if frames.data_ptr() != staged.data_ptr():  # (not filled in place through input_buffer)
+                staged.copy_(frames)
             frames = staged
-        pcm[:rows].copy_(frames, non_blocking=True)
+        if frames.data_ptr() != pcm.data_ptr():
+            pcm[:rows].copy_(frames, non_blocking=True)
         pcm[rows:bucket].zero_()
         key = (bucket, frames_per_step)
         with torch.no_grad():
