@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from cosystream.engine.ipc import EngineInfo
 from cosystream.engine.process import server_info
 from cosystream.engine.scheduler import Priority
 from cosystream.models import load_model
@@ -37,7 +38,7 @@ class NaiveEngine:
         self._next_key = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def connect(self) -> dict:
+    async def connect(self) -> EngineInfo:
         self._loop = asyncio.get_running_loop()
         self.connected = True
         return self.info

@@ -36,7 +36,7 @@ class Op(IntEnum):
 class Event(IntEnum):
     """Events, engine -> frontend: ``(event, ...)`` tuples in ``ToFrontend.events``."""
 
-    HELLO = 10  # (HELLO, info: dict): the engine is warm; sent once per frontend
+    HELLO = 10  # (HELLO, info: EngineInfo): the engine is warm; sent once per frontend
     OPENED = 11  # (OPENED, key)
     REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
     SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
@@ -47,6 +47,23 @@ class Event(IntEnum):
 
 OPEN, RESET, CLOSE, LISTENING = Op
 HELLO, OPENED, REJECTED, SHED, ACTIVE = Event
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine tells each frontend in its HELLO: the model and device (GetServerInfo shows them),
+    its capacity, and ``top_k``, the token candidates it sends per frame (a text decoder reads at most
+    that many). Nothing about text decoding: the frontends choose that."""
+
+    device: str
+    model_name: str
+    language: str
+    vocabulary: list[str]
+    parameters: int
+    output_delay_frames: int
+    max_sessions: int
+    graph_mode: str
+    top_k: int
 
 
 @dataclass(slots=True)

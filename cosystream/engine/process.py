@@ -229,20 +229,19 @@ def warm_up(core: EngineCore) -> None:
 
 def server_info(
     model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode, top_k: int
-) -> dict:
-    """What the engine tells its frontends in its HELLO: the model and device (for GetServerInfo), its capacity,
-    and ``top_k``, the token candidates it sends per frame (a frontend's text decoder needs at most that many)."""
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "model_name": model.config.name,
-        "language": model.config.language,
-        "vocabulary": list(model.vocabulary),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "output_delay_frames": output_delay_frames(model),
-        "max_sessions": max_sessions,
-        "graph_mode": graph_mode.value,
-        "top_k": top_k,
-    }
+) -> ipc.EngineInfo:
+    """The engine's HELLO for this model on this device."""
+    return ipc.EngineInfo(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        model_name=model.config.name,
+        language=model.config.language,
+        vocabulary=list(model.vocabulary),
+        parameters=sum(p.numel() for p in model.parameters()),
+        output_delay_frames=output_delay_frames(model),
+        max_sessions=max_sessions,
+        graph_mode=graph_mode.value,
+        top_k=top_k,
+    )
 
 
 def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener, stop: threading.Event) -> None:

@@ -40,11 +40,11 @@ class Engine(Protocol):
     """What a frontend needs of an engine: :class:`EngineClient` (the engine process over its socket) and
     ``naive.NaiveEngine`` (the benchmarks' baseline, in the frontend's own process) both implement it."""
 
-    info: dict
+    info: ipc.EngineInfo | None  # the engine's HELLO, once connected
     connected: bool
     on_change: Callable[[], None] | None
 
-    async def connect(self) -> dict: ...
+    async def connect(self) -> ipc.EngineInfo: ...
 
     def close_connection(self) -> None: ...
 
@@ -79,7 +79,7 @@ class EngineClient:
     def __init__(self, address: str, authkey: bytes):
         self.address = address
         self.authkey = authkey
-        self.info: dict = {}
+        self.info: ipc.EngineInfo | None = None  # from the engine's HELLO
         self.on_change: Callable[[], None] | None = None
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,7 +96,7 @@ class EngineClient:
         self._closing = False
         self.connected = False
 
-    async def connect(self) -> dict:
+    async def connect(self) -> ipc.EngineInfo:
         """Connect and wait for the engine's HELLO; returns its info. Retries while the socket is missing or
         refuses (the engine is still starting; the supervisor decides how long that may take); cancellable
         at any point, and nothing is left running."""

@@ -25,6 +25,7 @@ from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioE
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.config import DecoderConfig, DecoderFactory
 from cosystream.engine.scheduler import Priority
+from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.metrics import FrontendMetrics
 from cosystream.server.engine_client import Engine
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
@@ -153,7 +154,7 @@ class _Stream:
             max_in_flight_frames=servicer.options.max_in_flight_frames,
             on_first_result=metrics.observe_first_result,
             on_result_latency=lambda s: metrics.observe_result(priority_label, s),
-            output_delay_frames=servicer.info.get("output_delay_frames", 0),
+            output_delay_frames=servicer.info.output_delay_frames,
         )
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
@@ -314,12 +315,12 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.options = options
         self.metrics = metrics or FrontendMetrics()
         self.info = engine.info
-        if options.decoder.top_k > self.info["top_k"]:
+        if options.decoder.top_k > self.info.top_k:
             raise ValueError(
                 f"the {options.decoder.kind} decoder reads {options.decoder.top_k} token candidates per frame, but "
-                f"the engine sends {self.info['top_k']} (EngineConfig.top_k)"
+                f"the engine sends {self.info.top_k} (EngineConfig.top_k)"
             )
-        self.decoders = DecoderFactory(options.decoder, self.info["vocabulary"])
+        self.decoders = DecoderFactory(options.decoder, self.info.vocabulary)
         self.draining = False
         self._streams: set[_Stream] = set()
 
@@ -346,7 +347,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         if first.WhichOneof("request") != "config":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         try:
-            config = validate_config(first.config, self.info["model_name"], self.options.default_endpointing)
+            config = validate_config(first.config, self.info.model_name, self.options.default_endpointing)
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         if not self.engine.connected:
@@ -407,21 +408,21 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             version=__version__,
             models=[
                 pb.ModelInfo(
-                    name=info["model_name"],
-                    language=info["language"],
-                    sample_rate_hz=16000,
-                    frame_ms=10,
-                    parameters=info["parameters"],
-                    vocabulary=info["vocabulary"],
+                    name=info.model_name,
+                    language=info.language,
+                    sample_rate_hz=SAMPLE_RATE_HZ,
+                    frame_ms=FRAME_MS,
+                    parameters=info.parameters,
+                    vocabulary=info.vocabulary,
                     is_default=True,
                 )
             ],
             encodings=[pb.LINEAR16, pb.MULAW, pb.ALAW],
             min_sample_rate_hz=MIN_INPUT_RATE_HZ,
             max_sample_rate_hz=MAX_INPUT_RATE_HZ,
-            max_sessions=info["max_sessions"],
+            max_sessions=info.max_sessions,
             active_sessions=self.engine.active_sessions,
-            device=info["device"],
+            device=info.device,
             default_endpointing=pb.EndpointingConfig(
                 silence_ms=defaults.silence_ms,
                 max_utterance_ms=defaults.max_utterance_ms,

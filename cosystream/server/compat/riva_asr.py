@@ -111,11 +111,11 @@ class RivaAsrAdapter(StreamAdapter):
     translation = RivaTranslation
 
     def open(self, first) -> Translation:
-        return RivaTranslation(first, self.servicer.info["model_name"])
+        return RivaTranslation(first, self.servicer.info.model_name)
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         """The model this server runs, in the shape ``--list-models`` clients read."""
-        name = self.servicer.info["model_name"]
+        name = self.servicer.info.model_name
         response = rasr.RivaSpeechRecognitionConfigResponse()
         if request.model_name in ("", name):
             config = response.model_config.add(model_name=name)
