@@ -12,6 +12,7 @@ the program exits 0 (a second Ctrl-C exits at once with 130).
     python clients/caption.py --list-devices
     python clients/caption.py --device pulse --vtt talk.vtt --srt talk.srt
     python clients/caption.py --file speech.wav --duration 30 > captions.txt
+    COSYSTREAM_TOKEN=... python clients/caption.py --server asr.example.com:443 --tls
 
 Uses only the public API (``cosystream.v1``). Audio capture is python-sounddevice (PortAudio), imported
 only for the microphone, so ``--file`` works without PortAudio.
@@ -27,7 +28,7 @@ import signal
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -36,7 +37,15 @@ import numpy as np
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import StreamStatus, read_wav, server_address
+from cosystream.v1.client import (
+    Connection,
+    StreamStatus,
+    add_connection_args,
+    connection_from_args,
+    describe_error,
+    read_wav,
+    server_address,
+)
 
 MIC_RATE_HZ = 16000
 BLOCK_MS = 10
@@ -58,6 +67,7 @@ class CaptionConfig:
     srt: Path | None = None
     duration_s: float | None = None
     connect_timeout_s: float = 5.0
+    connection: Connection = field(default_factory=Connection)  # TLS and token (--tls, --ca-cert, --token...)
     drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -332,14 +342,19 @@ class Captioner:
 
     async def run(self) -> None:
         options = [("grpc.max_receive_message_length", 16 << 20)]
-        async with grpc.aio.insecure_channel(self.config.server, options=options) as channel:
+        try:
+            channel = self.config.connection.aio_channel(self.config.server, options=options)
+        except ValueError as err:
+            raise CaptionError(str(err)) from err
+        async with channel:
             stub = pb_grpc.CosyStreamStub(channel)
             try:
                 info = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.config.connect_timeout_s)
             except grpc.aio.AioRpcError as err:
+                reason = describe_error(err.code(), err.details(), self.config.connection)
                 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise CaptionError(f"server unreachable at {self.config.server}: {one_line(err)}") from err
-                raise CaptionError(f"server at {self.config.server} refused: {one_line(err)}") from err
+                    raise CaptionError(f"server unreachable at {self.config.server}: {reason}") from err
+                raise CaptionError(f"server at {self.config.server} refused: {reason}") from err
             model = next((m.name for m in info.models if m.is_default), "?")
             self.display.status(
                 f"connected to {self.config.server} (cosystream {info.version}, {model} on {info.device})"
@@ -351,7 +366,9 @@ class Captioner:
                 # (a write racing the server's abort can surface as INTERNAL: the status response says more)
                 code, details = self.status.code_and_details(err)
                 verb = "ended the stream" if code == grpc.StatusCode.UNAVAILABLE else "refused the stream"
-                raise CaptionError(f"server {verb}: {code.name}: {' '.join(details.split())}") from err
+                raise CaptionError(
+                    f"server {verb}: {describe_error(code, details, self.config.connection)}"
+                ) from err
         if self.source.overflows:
             self.display.status(f"warning: {self.source.overflows} input overflows (audio was dropped)")
 
@@ -403,10 +420,6 @@ class Captioner:
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return  # the stream has ended; the reader reports its status
-
-
-def one_line(err: grpc.aio.AioRpcError) -> str:
-    return " ".join(f"{err.code().name}: {err.details()}".split())
 
 
 async def caption(config: CaptionConfig, display: PlainDisplay) -> Captions:
@@ -465,6 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds of audio")
     parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="give up connecting after this long")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0, help="wait for the last final this long")
+    add_connection_args(parser)
     return parser.parse_args(argv)
 
 
@@ -479,6 +493,7 @@ def parse_config(args: argparse.Namespace) -> CaptionConfig:
         duration_s=args.duration,
         connect_timeout_s=args.connect_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        connection=connection_from_args(args),
     )
 
 

@@ -16,6 +16,7 @@ Uses only the public API (``cosystream.v1``) and, with ``--metrics-url``, the se
 endpoint for deadline misses.
 
     python clients/latency_probe.py --server localhost:50051 --realtime 50 --duration 20 --json out.json
+    COSYSTREAM_TOKEN=... python clients/latency_probe.py --server asr.example.com:443 --tls
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ import numpy as np
 from cosystream.v1 import client
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import StreamStatus, server_address
+from cosystream.v1.client import (
+    Connection,
+    StreamStatus,
+    add_connection_args,
+    connection_from_args,
+    describe_error,
+    server_address,
+)
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -193,7 +201,7 @@ class Stream:
             self.sent_s[i] = time.monotonic()
             yield pb.StreamingRecognizeRequest(audio=self.chunks[i])
 
-    async def run(self, stub) -> None:
+    async def run(self, stub, connection: Connection | None = None) -> None:
         stats = self.stats
         self.sent_s[:] = np.nan
         started = time.monotonic()
@@ -226,7 +234,7 @@ class Stream:
                             stats.final_latency_ms.append((now - end) * 1e3)
         except grpc.aio.AioRpcError as err:
             code, details = status.code_and_details(err)
-            stats.error = f"{code.name}: {details}"
+            stats.error = describe_error(code, details, connection)
         stats.wall_s = time.monotonic() - started
         stats.audio_s = np.count_nonzero(~np.isnan(self.sent_s)) * self.chunk_ms / 1000
 
@@ -234,7 +242,8 @@ class Stream:
 async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats]:
     encoding = pb.MULAW if args.encoding == "MULAW" else pb.LINEAR16
     options = [("grpc.max_receive_message_length", 16 << 20)]
-    channels = [grpc.aio.insecure_channel(args.server, options=options) for _ in range(args.channels)]
+    connection = args.connection
+    channels = [connection.aio_channel(args.server, options=options) for _ in range(args.channels)]
     stubs = [pb_grpc.CosyStreamStub(c) for c in channels]
     realtime = [
         Stream(audio, args.chunk_ms, encoding, args.rate, "realtime", args.duration) for _ in range(args.realtime)
@@ -249,14 +258,14 @@ async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats
     ramp_s = args.ramp_s
     offsets = [ramp_s * i / max(1, len(realtime)) for i in range(len(realtime))]
     for i, stream in enumerate(realtime):
-        tasks.append(asyncio.create_task(stream.run(stubs[i % len(stubs)])))
+        tasks.append(asyncio.create_task(stream.run(stubs[i % len(stubs)], connection)))
     deadline = time.monotonic() + args.duration + ramp_s + 30
 
     async def batch_loop(stream: Stream, stub) -> None:
         """A BATCH session streams the audio as fast as it may, again and again until the run ends."""
         total = stream.stats
         while True:
-            await stream.run(stub)
+            await stream.run(stub, connection)
             total = _merge(total, stream.stats) if total is not stream.stats else total
             if stream.stats.error or time.monotonic() >= start + ramp_s + args.duration:
                 break
@@ -442,7 +451,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="CDF plot (PNG)")
     parser.add_argument("--compare", default=None, help="an earlier --json to show side by side")
-    return parser.parse_args(argv)
+    add_connection_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        args.connection = connection_from_args(args)
+        args.connection.credentials(args.server)  # a token to another host without TLS: say so now
+    except ValueError as err:
+        parser.exit(2, f"latency_probe: {err}\n")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     misses = None if misses_before is None else deadline_misses(args.metrics_url) - misses_before
-    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "compare", "wav", "save_wav")}
+    left_out = ("json", "plot", "compare", "wav", "save_wav", "connection", "token")  # (never the token)
+    config = {k: v for k, v in vars(args).items() if k not in left_out}
     result = report(stats, config, misses)
     other = json.loads(Path(args.compare).read_text()) if args.compare else None
     if args.json:

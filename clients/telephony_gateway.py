@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -26,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make `clients` importable from
 
 from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
 from clients.telephony.config import LOOPBACK, parse_networks, parse_port_range
-from cosystream.v1.client import server_address
+from cosystream.v1.client import Connection, add_connection_args, connection_from_args, server_address
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sip-password-file", type=Path, help="read the digest password from this file's first line"
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # How the gateway reaches cosystream (--server): --tls, --ca-cert, --client-cert/--client-key, --token.
+    add_connection_args(parser)
     return parser.parse_args(argv)
+
+
+def asr_connection_from_args(args: argparse.Namespace) -> Connection:
+    """TLS and token for the channel to cosystream (``ValueError``, one line, for a file it cannot read or a
+    token it would send in clear to another host)."""
+    connection = connection_from_args(args)
+    connection.credentials(args.server)
+    return connection
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = config_from_args(args)
+        config = dataclasses.replace(config_from_args(args), asr_connection=asr_connection_from_args(args))
     except ValueError as err:
         sys.exit(f"telephony_gateway: {err}")
     try:

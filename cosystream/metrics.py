@@ -41,11 +41,27 @@ def _metrics() -> dict:
         buckets=LATENCY_BUCKETS_S,
     )
     REJECTED = Counter("cosystream_rejected_sessions", "Sessions refused or ended early.", ["reason"])
+    # Per token name (serve --auth-tokens; the name, never the token).
+    TOKEN_SESSIONS = Gauge(
+        "cosystream_token_sessions", "Open sessions per token.", ["token"], multiprocess_mode="livesum"
+    )
+    TOKEN_REFUSED = Counter(
+        "cosystream_token_refused_sessions", "Sessions of a known token refused, by reason.", ["token", "reason"]
+    )
     return dict(locals())
 
 
 PRIORITIES = ("realtime", "batch")
-REJECT_REASONS = ("full", "shed", "invalid_argument", "draining", "idle_timeout")
+REJECT_REASONS = (
+    "full",
+    "shed",
+    "invalid_argument",
+    "draining",
+    "idle_timeout",
+    "unauthenticated",
+    "permission_denied",
+    "quota",
+)
 
 
 class EngineMetrics:
@@ -85,8 +101,16 @@ class FrontendMetrics:
     def observe_first_result(self, seconds: float) -> None:
         self._m["FIRST_RESULT_LATENCY"].observe(seconds)
 
-    def rejected(self, reason: str) -> None:
+    def rejected(self, reason: str, token: str | None = None) -> None:
+        """A refused or cut session; ``token``: the name of the token it came with (auth on)."""
         self._m["REJECTED"].labels(reason).inc()
+        if token is not None:
+            self._m["TOKEN_REFUSED"].labels(token, reason).inc()
+
+    def token_session(self, token: str, opened: bool) -> None:
+        """A session of ``token`` opened (or, ``opened=False``, ended)."""
+        gauge = self._m["TOKEN_SESSIONS"].labels(token)
+        gauge.inc() if opened else gauge.dec()
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:

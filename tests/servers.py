@@ -33,6 +33,20 @@ def local_server(
         yield server
 
 
+@contextmanager
+def local_server_with(
+    max_sessions: int = 8, idle_timeout_s: float = 3.0, **frontend_fields
+) -> Iterator[LocalServer]:
+    """As :func:`local_server`, with more ``FrontendConfig`` fields (``tls=TlsConfig(...)``,
+    ``auth_tokens=PATH``)."""
+    frontend = FrontendConfig(
+        host="127.0.0.1", port=0, stream=StreamOptions(idle_timeout_s=idle_timeout_s), **frontend_fields
+    )
+    engine = EngineConfig(max_sessions=max_sessions, max_batch=max_sessions)
+    with LocalServer(frontend_config=frontend, engine=engine) as server:
+        yield server
+
+
 class HeldStream:
     """A stream that stays open until released (or cancelled)."""
 

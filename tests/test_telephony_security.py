@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from cosystream.engine.core import EngineConfig
 from tests.speech import needs_espeak, silence, speech
 from tests.test_telephony import (
     BARESIP_CONFIG,
+    GATEWAY,
     OTHER,
     RATE_HZ,
     SENTENCE,
@@ -278,8 +280,8 @@ def server():
 
 @contextlib.contextmanager
 def gateway(tmp_path: Path, server, *flags: str) -> Iterator[Gateway]:
-    """A gateway subprocess for one test; it must stop cleanly."""
-    gw = Gateway(tmp_path, server.address, "--rtp-timeout-s", "10", *flags)
+    """A gateway subprocess for one test (``server``: a LocalServer, or an address); it must stop cleanly."""
+    gw = Gateway(tmp_path, getattr(server, "address", server), "--rtp-timeout-s", "10", *flags)
     try:
         yield gw
     finally:
@@ -574,3 +576,51 @@ def test_baresip_with_the_password_is_answered_and_with_a_wrong_one_refused(tmp_
     assert " from sip:bad@127.0.0.1" not in log and log.count(" from sip:good@127.0.0.1 to ") == 1
     totals = stopped_totals(log)
     assert totals["auth_failures"] >= 1 and totals["auth_challenges"] >= 2
+
+
+# -- end to end: the gateway's own channel to cosystream, over TLS with a token ----------------------------
+
+
+@needs_espeak
+def test_the_gateway_reaches_a_tls_server_with_a_token_and_a_wrong_token_is_one_line(tmp_path, call_audio):
+    from cosystream.server.tls import TlsConfig
+    from tests.servers import local_server_with
+    from tests.test_security import ALICE, Pki, tokens_text
+
+    pki = Pki(tmp_path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(tokens_text(f"gateway {ALICE} priorities=REALTIME"))
+    audio, span_ms = call_audio
+    tls = TlsConfig(pki.path("server.pem"), pki.path("server.key"))
+    with local_server_with(tls=tls, auth_tokens=str(tokens)) as server:
+        address = f"localhost:{server.port}"  # the certificate's name
+        with gateway(tmp_path, address, "--ca-cert", pki.path("ca.pem")) as gw:
+            p = Phone(gw.address)  # no token: the gateway cannot open a session, the caller gets 503
+            try:
+                assert p.invite().status == 503
+            finally:
+                p.close()
+        (tmp_path / "call").mkdir()
+        flags = ("--ca-cert", pki.path("ca.pem"), "--token", ALICE)
+        with gateway(tmp_path / "call", address, *flags) as gw:
+            p = Phone(gw.address)
+            try:
+                assert p.invite().status == 200
+                send_interleaved(
+                    [(p.media, rtp_stream(g711(audio, p.codec), pt=0 if p.codec == "PCMU" else 8))], p.rtp
+                )
+                assert p.bye().status == 200
+                finals = check_finals(gw.wait_ended(p.call_id), span_ms, p.call_id)
+            finally:
+                p.close()
+        assert any(final["text"] for final in finals), finals
+    # A token to another host without TLS is refused before anything starts, in one line.
+    result = subprocess.run(
+        [sys.executable, str(GATEWAY), "--server", "192.0.2.1:50051", "--token", ALICE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert "--tls" in result.stderr

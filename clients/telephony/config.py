@@ -6,6 +6,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from cosystream.v1.client import Connection
+
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # The default --allow: this host only. Opening the gateway to a network is a deliberate act.
 LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
@@ -22,6 +24,7 @@ class GatewayConfig:
     """
 
     server: str = "localhost:50051"
+    asr_connection: Connection = field(default_factory=Connection)  # TLS and token for the channel to it
     bind: str = "0.0.0.0"
     sip_port: int = 5060
     rtp_port_min: int = 10000

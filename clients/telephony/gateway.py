@@ -45,7 +45,7 @@ class Gateway:
         self._stopped = asyncio.Event()
 
     async def start(self) -> Gateway:
-        self._channel = grpc.aio.insecure_channel(self.config.server, options=CHANNEL_OPTIONS)
+        self._channel = self.config.asr_connection.aio_channel(self.config.server, options=CHANNEL_OPTIONS)
         self._channel.get_state(try_to_connect=True)
         if self.sink.webhook is not None:
             self.sink.webhook.start()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
 from . import sip
@@ -410,9 +411,21 @@ class SipUas:
                 self._slots.release()
 
     async def _server_ready(self) -> bool:
+        """The server is reachable and takes the gateway's credentials (a call it would refuse is not
+        answered: the caller gets 503 rather than a silent call)."""
         try:
             await asyncio.wait_for(self._channel.channel_ready(), self.config.connect_timeout_s)
+            await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.config.connect_timeout_s)
         except TimeoutError:
+            return False
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                logger.error(
+                    "cosystream at %s refuses the gateway's credentials (%s: %s): set --token or $COSYSTREAM_TOKEN",
+                    self.config.server,
+                    err.code().name,
+                    " ".join((err.details() or "").split()),
+                )
             return False
         return True
 

@@ -18,6 +18,7 @@ import tempfile
 from cosystream import __version__
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
 from cosystream.logs import configure as configure_logs
+from cosystream.v1.client import add_connection_args, connection_from_args
 
 log = logging.getLogger("cosystream")
 
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="address to listen on (default: every interface)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default: 50051)")
     serve.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics; 0 disables")
+    serve.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address for /metrics (default: the --host value, so a loopback server keeps its metrics local)",
+    )
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS)
     serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
@@ -141,6 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="baseline for benchmarks: one process, a model call per chunk, no batching",
     )
+    security = serve.add_argument_group("security (docs/SECURITY.md)")
+    security.add_argument(
+        "--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (re-read on change)"
+    )
+    security.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (unencrypted PEM)")
+    security.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates signed by these CAs (mTLS)"
+    )
+    security.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="require a token on every call but health: lines of 'NAME TOKEN|sha256:HEX [max_sessions=N] "
+        "[priorities=REALTIME,BATCH] [admin]'; re-read on SIGHUP and on change",
+    )
     add_decoder_args(serve)
 
     transcribe = commands.add_parser("transcribe", help="transcribe a WAV file")
@@ -149,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("--realtime", action="store_true", help="pace the audio at real time (REALTIME)")
     transcribe.add_argument("--interim", action="store_true", help="print interim results too")
     transcribe.add_argument("--words", action="store_true", help="print word time offsets")
+    add_connection_args(transcribe)
 
     evaluate = commands.add_parser("eval", help="WER, CER and real-time factor on a test set")
     evaluate.add_argument("test_set", help="a directory of NAME.wav + NAME.txt, or a JSONL manifest")
@@ -182,7 +203,33 @@ def main(argv: list[str] | None = None) -> int:
         return eval_command(args.model, args.test_set, decoder, args.telephone, args.tilt, args.json, args.show)
     from cosystream.app.transcribe import transcribe_command
 
-    return transcribe_command(args.file, args.server, args.realtime, args.interim, args.words)
+    try:
+        connection = connection_from_args(args)
+    except ValueError as err:
+        sys.exit(f"cosystream transcribe: {err}")
+    flags = (args.tls, args.ca_cert, args.client_cert, args.client_key, args.token)
+    if args.server is None and any(flag for flag in flags):  # ($COSYSTREAM_TOKEN alone is fine in-process)
+        sys.exit("cosystream transcribe: --tls, --ca-cert, --client-cert, --client-key and --token need --server")
+    return transcribe_command(args.file, args.server, args.realtime, args.interim, args.words, connection)
+
+
+def security_config(args: argparse.Namespace):
+    """The TLS config and tokens file the flags ask for, each checked now (``ValueError``, one line): a bad
+    file is an error at start-up, not in every frontend."""
+    from cosystream.server.auth import load_tokens
+    from cosystream.server.tls import TlsConfig, load
+
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+        load(tls)
+    elif args.tls_client_ca:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.auth_tokens:
+        load_tokens(args.auth_tokens)
+    return tls, args.auth_tokens
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -224,6 +271,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             batch_max_duty=args.batch_duty,
         )
         decoder = decoder_config(args)
+        tls, auth_tokens = security_config(args)
         engine = dataclasses.replace(engine, top_k=decoder.top_k)  # the candidates per frame the decoder reads
         if decoder.kind == "beam":
             from cosystream.decoding.lm import NgramLm
@@ -242,6 +290,8 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
     )
     frontend = FrontendConfig(
         **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
+        tls=tls,
+        auth_tokens=auth_tokens,
         stream=StreamOptions(
             **given(idle_timeout_s=args.idle_timeout_s),
             default_endpointing=endpointing,
@@ -259,6 +309,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         args.metrics_port,
         naive=args.naive,
         restarts=restarts,
+        metrics_host=args.metrics_host or frontend.host,
     )
     try:
         check_port_free(frontend.host, frontend.port)
@@ -271,7 +322,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
     except OSError as err:
         sys.exit(
             f"cosystream serve: cannot serve metrics on port {args.metrics_port}: {err.strerror or err} "
-            "(--metrics-port picks another, 0 turns metrics off)"
+            f"(on {supervisor.metrics_host}; --metrics-port picks another, 0 turns metrics off)"
         )
     try:
         return supervisor.run()

@@ -14,6 +14,13 @@ The supervisor owns the processes:
 SIGTERM or SIGINT drains: health turns NOT_SERVING with the port still open, new streams get UNAVAILABLE,
 open streams are served for ``--drain-grace-s``; those still open then get the final for the audio received
 and UNAVAILABLE; then everything stops and the exit status is 0.
+
+SIGHUP reloads the tokens file (``--auth-tokens``) in every frontend, without dropping a session: frontend 0
+here, the others by the SIGHUP forwarded to them. The children are spawned with SIGHUP blocked (the mask is
+inherited): a frontend unblocks it once its handler is in place, so a SIGHUP during its start-up waits
+instead of killing it, and the engine never unblocks it (a SIGHUP to the process group reloads, and stops
+nothing). With tokens, the frontends count each token's open sessions in one shared table
+(``server/quota.py``); a frontend that dies has its row zeroed before it is respawned.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections import deque
@@ -37,7 +45,10 @@ from cosystream.engine.process import (
 )
 from cosystream.logs import configure as configure_logs
 from cosystream.metrics import process_exited, serve_metrics
+from cosystream.server.auth import TokenFileError
 from cosystream.server.frontend import Frontend, FrontendConfig
+from cosystream.server.quota import TokenSessions
+from cosystream.server.tls import TlsError
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +56,26 @@ WATCH_PERIOD_S = 0.1
 
 
 def frontend_main(
-    config: FrontendConfig, address: str, authkey: bytes, log_level: str, log_format: str, index: int = 1
+    config: FrontendConfig,
+    address: str,
+    authkey: bytes,
+    log_level: str,
+    log_format: str,
+    index: int = 1,
+    token_sessions: TokenSessions | None = None,
 ) -> None:
-    """Entry point of a spawned frontend process."""
+    """Entry point of a spawned frontend process (started with SIGHUP blocked, see the module's doc)."""
     exit_with_parent()
     set_process_name(f"cs-frontend-{index}")
     configure_logs(log_level, log_format)
 
     async def run() -> None:
-        frontend = Frontend(config, address, authkey)
+        frontend = Frontend(config, address, authkey, token_sessions=token_sessions)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, frontend.reload_tokens)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         await frontend.start()
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor forwards SIGTERM
         await stop.wait()
@@ -99,11 +118,15 @@ class Supervisor:
         metrics_port: int,
         naive: bool = False,
         restarts: RestartPolicy | None = None,
+        metrics_host: str = "0.0.0.0",
     ):
         self.process = process
         self.frontend_config = frontend
         self.frontends = frontends
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        # Made before any frontend is spawned: they inherit it.
+        self.token_sessions = TokenSessions(frontends) if frontend.auth_tokens else None
         self.naive = naive
         self.restarts = restarts or RestartPolicy()
         self.children: dict[int, mp.Process] = {}
@@ -112,7 +135,7 @@ class Supervisor:
     def serve_metrics(self) -> None:
         """Bind ``/metrics`` before anything starts, so a busy port fails at once (``OSError``)."""
         if self.metrics_port:
-            serve_metrics(self.metrics_port)
+            serve_metrics(self.metrics_port, self.metrics_host)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; 0 after a drain. Raises :class:`ServeError` when it cannot go on."""
@@ -121,6 +144,8 @@ class Supervisor:
             if self.naive:
                 return asyncio.run(self._serve_naive())
             return asyncio.run(self._serve())
+        except (TokenFileError, TlsError) as err:  # changed since the CLI checked them
+            raise ServeError(str(err)) from None
         finally:
             for child in self.children.values():
                 if child.is_alive():
@@ -144,20 +169,40 @@ class Supervisor:
         from cosystream.app.naive import NaiveEngine
 
         engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions, self.process.engine.top_k)
-        frontend = Frontend(self.frontend_config, "", b"", engine=engine)
+        frontend = Frontend(self.frontend_config, "", b"", engine=engine, token_sessions=self._token_sessions(0))
         port = await frontend.start()
         log.info("cosystream serving on port %d with 1 frontend(s) (naive mode: no engine, no batching)", port)
-        stop = self._stop_event()
+        stop = self._stop_event(frontend)
         await stop.wait()
         await frontend.drain()
         return 0
 
-    def _stop_event(self) -> asyncio.Event:
+    def _stop_event(self, frontend: Frontend) -> asyncio.Event:
+        """Set by SIGTERM or SIGINT; SIGHUP reloads the tokens (see :meth:`_reload`)."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._reload, frontend)
         return stop
+
+    def _reload(self, frontend: Frontend) -> None:
+        if not self.frontend_config.auth_tokens:
+            log.info("SIGHUP: nothing to reload (no --auth-tokens)")
+            return
+        log.info("SIGHUP: reloading the tokens in %d frontend(s)", 1 + len(self.children))
+        frontend.reload_tokens()
+        for child in self.children.values():
+            if child.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGHUP)
+
+    def _token_sessions(self, index: int) -> TokenSessions | None:
+        return None if self.token_sessions is None else self.token_sessions.for_frontend(index)
+
+    def _start_engine(self) -> EngineHandle:
+        with _sighup_blocked():  # for good: the engine has nothing to reload
+            return start_engine(self.process)
 
     async def _engine_ready(self, stop: asyncio.Event) -> bool:
         """Wait for the current engine to be ready (False: stopped first). Raises EngineStartError."""
@@ -168,9 +213,14 @@ class Supervisor:
         return True
 
     async def _serve(self) -> int:
-        stop = self._stop_event()
-        self.engine = start_engine(self.process)
-        frontend = Frontend(self.frontend_config, self.process.address, self.process.authkey)
+        frontend = Frontend(
+            self.frontend_config,
+            self.process.address,
+            self.process.authkey,
+            token_sessions=self._token_sessions(0),
+        )
+        stop = self._stop_event(frontend)
+        self.engine = self._start_engine()
         start = asyncio.create_task(frontend.start())
         try:
             if not await self._engine_ready(stop):
@@ -221,10 +271,12 @@ class Supervisor:
                 self.process.log_level,
                 self.process.log_format,
                 index,
+                self._token_sessions(index),
             ),
             name=f"cosystream-frontend-{index}",
         )
-        child.start()
+        with _sighup_blocked():  # until its handler is in place (frontend_main unblocks it)
+            child.start()
         self.children[index] = child
 
     async def _watch(self, stop: asyncio.Event) -> None:
@@ -264,7 +316,7 @@ class Supervisor:
             backoff_s = self._failed(dead, "the engine process died {n} times")
             log.error("the engine process died (exit code %s); restarting it in %.1f s", dead.exitcode, backoff_s)
             await asyncio.sleep(backoff_s)
-            self.engine = start_engine(self.process)
+            self.engine = self._start_engine()
             try:
                 if await self._engine_ready(stop):
                     log.info("engine restarted")
@@ -276,7 +328,20 @@ class Supervisor:
         backoff_s = self._failed(child, f"frontend {index} died, {{n}} process failures")
         log.error("frontend %d died (exit code %s); respawning it in %.1f s", index, child.exitcode, backoff_s)
         del self.children[index]
+        if self.token_sessions is not None:
+            self.token_sessions.reset_row(index)  # its sessions died with it
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), backoff_s)
         if not stop.is_set():
             self._spawn_frontend(index)
+
+
+@contextlib.contextmanager
+def _sighup_blocked():
+    """SIGHUP blocked in this thread while a child is spawned: the child inherits the mask; one arriving
+    here meanwhile is delivered after."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -17,7 +17,7 @@ import numpy as np
 from cosystream.v1 import client
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import server_address
+from cosystream.v1.client import Connection, describe_error, server_address
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,17 @@ def requests(
         yield pb.StreamingRecognizeRequest(audio=samples[offset : offset + step].tobytes())
 
 
-def stream_file(address: str, path: str, realtime: bool = False, interim: bool = False, words: bool = False):
-    """Yield the server's responses for ``path``."""
+def stream_file(
+    address: str,
+    path: str,
+    realtime: bool = False,
+    interim: bool = False,
+    words: bool = False,
+    connection: Connection | None = None,
+):
+    """Yield the server's responses for ``path`` (``connection``: TLS and token; default plaintext)."""
     samples, rate = read_wav(path)
-    with grpc.insecure_channel(address) as channel:
+    with (connection or Connection()).channel(address) as channel:
         stub = pb_grpc.CosyStreamStub(channel)
         yield from stub.StreamingRecognize(requests(samples, rate, realtime, interim, words))
 
@@ -78,7 +85,12 @@ def format_result(result: pb.StreamingResult, words: bool) -> str:
 
 
 def transcribe_command(
-    path: str, server_at: str | None = None, realtime: bool = False, interim: bool = False, words: bool = False
+    path: str,
+    server_at: str | None = None,
+    realtime: bool = False,
+    interim: bool = False,
+    words: bool = False,
+    connection: Connection | None = None,
 ) -> int:
     """``cosystream transcribe``: the file's finals (and interims) printed; 1 with the reason on failure."""
     server = None
@@ -89,12 +101,12 @@ def transcribe_command(
 
             server = LocalServer().start()
             address = server.address
-        for response in stream_file(address, path, realtime, interim, words):
+        for response in stream_file(address, path, realtime, interim, words, connection):
             for result in response.results:
                 if result.is_final or interim:
                     print(format_result(result, words), flush=True)
     except grpc.RpcError as err:
-        print(f"cosystream transcribe: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(f"cosystream transcribe: {describe_error(err.code(), err.details(), connection)}", file=sys.stderr)
         return 1
     except (OSError, ValueError, wave.Error) as err:
         print(f"cosystream transcribe: {err}", file=sys.stderr)

@@ -1,6 +1,10 @@
 """A frontend: one grpc.aio server (the port shared with its siblings via SO_REUSEPORT), connected to the
 engine process, with gRPC health and reflection.
 
+With ``tls`` every service of the port is behind TLS (mTLS with a client CA), the certificate reloaded
+when its files change (``tls.py``); with ``auth_tokens`` every call but gRPC health needs a token
+(``auth.py``), the file reloaded on :meth:`Frontend.reload_tokens` (SIGHUP) and when it changes.
+
 Health is SERVING only while the engine is connected and every frontend of the server listens (the engine
 counts them: connections made before the others exist would all stay on the first), and NOT_SERVING at
 once when the engine is lost (until it is back and warm) or a drain begins.
@@ -17,9 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosystream.metrics import FrontendMetrics
+from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
 from cosystream.server.engine_client import Engine, EngineClient
+from cosystream.server.quota import TokenSessions
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
+from cosystream.server.tls import ReloadingCredentials, TlsConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.client import DEFAULT_PORT
@@ -27,6 +34,7 @@ from cosystream.v1.client import DEFAULT_PORT
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CosyStream"].full_name
+STREAMING_RECOGNIZE = f"/{SERVICE_NAME}/StreamingRecognize"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +46,26 @@ class FrontendConfig:
     )  # a larger request is refused with RESOURCE_EXHAUSTED (Google sends <= 10 MB)
     drain_grace_s: float = 20.0  # (serve --drain-grace-s)
     stream: StreamOptions = field(default_factory=StreamOptions)
+    tls: TlsConfig | None = None  # None: plaintext (serve --tls-cert, --tls-key, --tls-client-ca)
+    auth_tokens: str | None = None  # a tokens file; None: no authentication (serve --auth-tokens)
 
 
 class Frontend:
-    def __init__(self, config: FrontendConfig, engine_address: str, authkey: bytes, engine: Engine | None = None):
+    def __init__(
+        self,
+        config: FrontendConfig,
+        engine_address: str,
+        authkey: bytes,
+        engine: Engine | None = None,
+        token_sessions: TokenSessions | None = None,
+    ):
+        """Raises ``TokenFileError`` / ``TlsError`` (one-line messages) for files that cannot be used.
+        ``token_sessions``: the per-token session counts this frontend shares with its siblings."""
         self.config = config
+        self.tokens = TokenStore(config.auth_tokens) if config.auth_tokens else None
+        self.credentials = ReloadingCredentials(config.tls) if config.tls else None
+        self.token_sessions = token_sessions
+        self._watch_tokens: asyncio.Task | None = None
         self.engine = engine if engine is not None else EngineClient(engine_address, authkey)
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
@@ -89,7 +112,7 @@ class Frontend:
         """Connect to the engine (waits for it to be warm), then serve; returns the bound port."""
         self.engine.on_change = self._health_changed
         await self.engine.connect()
-        self.servicer = CosyStreamServicer(self.engine, self.config.stream, FrontendMetrics())
+        self.servicer = CosyStreamServicer(self.engine, self.config.stream, FrontendMetrics(), self.token_sessions)
         options = [
             ("grpc.so_reuseport", 1),
             # Flow control: a client that sends faster than its session is read gets pushed back after
@@ -101,7 +124,7 @@ class Frontend:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=options, interceptors=self._interceptors())
         pb_grpc.add_CosyStreamServicer_to_server(self.servicer, self.server)
         compat_services = add_compat_services(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -114,15 +137,48 @@ class Frontend:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(address, self.credentials.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         self._services = ("", SERVICE_NAME, *compat_services)
         await self.server.start()
+        if self.tokens is not None:
+            self._watch_tokens = asyncio.get_running_loop().create_task(self.tokens.watch())
         self._health_changed()  # NOT_SERVING until the engine counts every frontend listening
         self.engine.mark_listening()
-        log.info("serving on %s:%d", self.config.host, self.port)
+        log.info(
+            "serving on %s:%d (%s, %s)",
+            self.config.host,
+            self.port,
+            "plaintext" if self.config.tls is None else "mTLS" if self.config.tls.client_ca_path else "TLS",
+            "no authentication" if self.tokens is None else f"{len(self.tokens.tokens)} token(s)",
+        )
         return self.port
+
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        if self.tokens is None:
+            return []
+
+        def refusal_response(method: str, code: grpc.StatusCode, message: str):
+            if method != STREAMING_RECOGNIZE:
+                return None
+            # As the servicer's own refusals: the status also as a last response (cosystream.v1.client.StreamStatus).
+            return pb.StreamingRecognizeResponse(error=pb.StreamError(code=code.value[0], message=message))
+
+        def on_refused(method: str, code: grpc.StatusCode) -> None:
+            if method.endswith("/StreamingRecognize") and self.servicer is not None:
+                self.servicer.metrics.rejected("unauthenticated")
+
+        return [AuthInterceptor(self.tokens, refusal_response=refusal_response, on_refused=on_refused)]
+
+    def reload_tokens(self) -> None:
+        """Read the tokens file again (SIGHUP); a bad file keeps the tokens in use. Open streams go on."""
+        if self.tokens is not None:
+            self.tokens.reload()
 
     async def drain(self) -> None:
         """Stop taking sessions, give every open one its final, then stop (within the grace period)."""
@@ -134,6 +190,8 @@ class Frontend:
         await self.stop(grace_s=1.0)
 
     async def stop(self, grace_s: float | None = None) -> None:
+        if self._watch_tokens is not None:
+            self._watch_tokens.cancel()
         if self.server is not None:
             await self.server.stop(grace_s)
         self.engine.close_connection()

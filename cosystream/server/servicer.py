@@ -27,7 +27,9 @@ from cosystream.decoding.config import DecoderConfig, DecoderFactory
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.metrics import FrontendMetrics
+from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
+from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.session import Session, SessionConfig
 from cosystream.v1 import cosystream_pb2 as pb
@@ -158,6 +160,9 @@ class _Stream:
         )
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
+        self.token = current_token()  # who opened it (None: authentication is off)
+        self.quota: Claim | None = None
+        self._token_counted = False  # in the per-token sessions gauge
         self._force: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.last_request_s = time.monotonic()
@@ -223,9 +228,26 @@ class _Stream:
         self.reader = asyncio.create_task(self.read(requests))
         self._watch_idle()
 
+    def claim_quota(self) -> None:
+        """Count this stream against its token's ``max_sessions`` (``release`` gives it back); raises
+        :class:`_Refused` (RESOURCE_EXHAUSTED) when the token has them all open."""
+        if self.token is not None:
+            try:
+                self.quota = self.servicer.token_sessions.claim(self.token.name, self.token.max_sessions)
+            except QuotaExceeded as err:
+                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "quota") from None
+            self.servicer.metrics.token_session(self.token.name, opened=True)
+            self._token_counted = True
+
     def release(self) -> None:
-        """Every exit path: stop reading, stop the timer, free the engine slot. Idempotent."""
+        """Every exit path: stop reading, stop the timer, free the engine slot and the token's quota.
+        Idempotent."""
         self.state = StreamState.RELEASED
+        if self.quota is not None:
+            self.quota.release()
+        if self._token_counted:
+            self._token_counted = False
+            self.servicer.metrics.token_session(self.token.name, opened=False)
         if self.reader is not None:
             self.reader.cancel()
         for timer in (self.idle_timer, self._force):
@@ -310,8 +332,16 @@ class _Stream:
 
 
 class CosyStreamServicer(pb_grpc.CosyStreamServicer):
-    def __init__(self, engine: Engine, options: StreamOptions, metrics: FrontendMetrics | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        options: StreamOptions,
+        metrics: FrontendMetrics | None = None,
+        token_sessions: TokenSessions | None = None,
+    ):
+        """``token_sessions``: the per-token session counts shared by the server's frontends."""
         self.engine = engine
+        self.token_sessions = token_sessions or TokenSessions()
         self.options = options
         self.metrics = metrics or FrontendMetrics()
         self.info = engine.info
@@ -350,6 +380,14 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             config = validate_config(first.config, self.info.model_name, self.options.default_endpointing)
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        token = current_token()
+        if token is not None and not token.allows(config.priority.name):
+            allowed = ", ".join(sorted(token.priorities))
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"token {token.name!r} may not use priority {config.priority.name} (allowed: {allowed})",
+                "permission_denied",
+            )
         if not self.engine.connected:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "the engine is restarting; retry in a moment", None)
         return config
@@ -360,7 +398,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             config = await self._accept(requests)
         except _Refused as refused:
             if refused.reason:
-                self.metrics.rejected(refused.reason)
+                token = current_token()
+                self.metrics.rejected(refused.reason, None if token is None else token.name)
             yield _status_response("", refused.code, refused.message)
             await context.abort(refused.code, refused.message)
 
@@ -368,12 +407,14 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         outcome = "ok"
         try:
             self._streams.add(stream)
+            stream.claim_quota()
             log.info(
-                "session %s opened: %s %d Hz %s",
+                "session %s opened: %s %d Hz %s%s",
                 stream.session_id,
                 config.encoding.name,
                 config.sample_rate_hz,
                 config.priority.name,
+                "" if stream.token is None else f" token {stream.token.name}",
                 extra={"session_id": stream.session_id},
             )
             self.engine.open(stream.key, config.priority, stream)
@@ -390,6 +431,11 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                     yield _status_response(stream.session_id, item.code, item.message)
                     await context.abort(item.code, item.message)
                 yield item
+        except _Refused as refused:  # by the token's quota
+            outcome = refused.code.name
+            self.metrics.rejected(refused.reason, stream.token.name)
+            yield _status_response(stream.session_id, refused.code, refused.message)
+            await context.abort(refused.code, refused.message)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

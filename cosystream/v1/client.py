@@ -1,8 +1,11 @@
 """Helpers for clients of the wire API (hand-written; the rest of ``cosystream.v1`` is generated).
 
-``server_address``: ``host`` -> ``host:50051``. ``read_wav``: the WAV files a client may stream (PCM, float,
-mu-law, A-law), with errors that say what is accepted. ``encode_mulaw``: samples as G.711 mu-law. ``StreamStatus``: the status a stream really ended
-with.
+``server_address``: ``host`` -> ``host:50051``. ``Connection``: plaintext or TLS, a client certificate, a
+token, as one object that makes the channel; ``add_connection_args`` / ``connection_from_args``: the same
+flags in every client (``--tls``, ``--ca-cert``, ``--token`` or ``COSYSTREAM_TOKEN``, ...);
+``describe_error``: a failed call as one line that says what to do about TLS and token refusals.
+``read_wav``: the WAV files a client may stream (PCM, float, mu-law, A-law), with errors that say what is
+accepted. ``encode_mulaw``: samples as G.711 mu-law. ``StreamStatus``: the status a stream really ended with.
 
 grpcio's asyncio client can replace the server's status with INTERNAL "Internal error from Core" when the
 server ends a stream while the client is still writing (grpc/grpc#36066): a refusal (RESOURCE_EXHAUSTED), a
@@ -13,7 +16,11 @@ puts it back.
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
+import os
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -39,6 +46,156 @@ def server_address(text: str, default_port: int = DEFAULT_PORT) -> str:
     if text.count(":") > 1:  # a bare IPv6 address
         return f"[{text}]:{default_port}"
     return f"{text}:{default_port}"
+
+
+TOKEN_ENV = "COSYSTREAM_TOKEN"
+"""Where clients read a token when ``--token`` is not given (a flag shows in ``ps``; the environment does
+not)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """How a client reaches a server. ``tls``: verify the server with the system's roots, or with
+    ``ca_cert`` (PEM bytes; implies TLS); ``client_cert`` + ``client_key``: present a certificate (servers
+    with ``--tls-client-ca``); ``token``: sent as ``authorization: Bearer TOKEN`` on every call.
+
+    A token goes only over TLS, or in clear to this host (gRPC's local credentials check that the peer is
+    loopback): :meth:`channel` raises ``ValueError`` for a token to another host without TLS.
+    """
+
+    tls: bool = False
+    ca_cert: bytes | None = None
+    client_cert: bytes | None = None
+    client_key: bytes | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+
+    @property
+    def secure(self) -> bool:
+        return self.tls or self.ca_cert is not None or self.client_cert is not None
+
+    def credentials(self, target: str) -> grpc.ChannelCredentials | None:
+        """The channel credentials for ``target``; None: a plaintext channel."""
+        if self.secure:
+            credentials = grpc.ssl_channel_credentials(self.ca_cert, self.client_key, self.client_cert)
+        elif self.token:
+            if not _is_local(target):
+                raise ValueError(
+                    f"a token is sent only over TLS (or to this host): add --tls or --ca-cert to reach {target}"
+                )
+            kind = (
+                grpc.LocalConnectionType.UDS if target.startswith("unix") else grpc.LocalConnectionType.LOCAL_TCP
+            )
+            credentials = grpc.local_channel_credentials(kind)
+        else:
+            return None
+        if self.token:
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(self.token)
+            )
+        return credentials
+
+    def channel(self, target: str, options=None) -> grpc.Channel:
+        """A blocking-API channel to ``target``."""
+        credentials = self.credentials(target)
+        if credentials is None:
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, credentials, options=options)
+
+    def aio_channel(self, target: str, options=None) -> grpc.aio.Channel:
+        """An asyncio channel to ``target`` (make it inside the running loop)."""
+        credentials = self.credentials(target)
+        if credentials is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def _is_local(target: str) -> bool:
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = target.removeprefix("dns:").removeprefix("ipv4:").removeprefix("ipv6:").lstrip("/")
+    host = host.rpartition(":")[0] if host.count(":") == 1 or "]:" in host else host
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """``--tls``, ``--ca-cert``, ``--client-cert``, ``--client-key``, ``--token``: read them with
+    :func:`connection_from_args`."""
+    group = parser.add_argument_group("connection (TLS and token)")
+    group.add_argument("--tls", action="store_true", help="use TLS, trusting the system's root certificates")
+    group.add_argument("--ca-cert", metavar="PEM", help="use TLS, trusting this CA (a private CA's certificate)")
+    group.add_argument("--client-cert", metavar="PEM", help="present this certificate (mTLS servers)")
+    group.add_argument("--client-key", metavar="PEM", help="the client certificate's key")
+    group.add_argument(
+        "--token",
+        default=None,
+        help=f"send 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; the environment keeps it out of ps)",
+    )
+
+
+def connection_from_args(args: argparse.Namespace) -> Connection:
+    """The :class:`Connection` the flags ask for; ``ValueError`` (one line) for a file that cannot be read."""
+
+    def read(path: str | None, flag: str) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as err:
+            raise ValueError(f"{flag} {path}: {err.strerror or err}") from None
+
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    if token is not None and (not token.isascii() or not token.isprintable() or " " in token):
+        raise ValueError("the token must be printable ASCII without spaces")
+    return Connection(
+        tls=args.tls,
+        ca_cert=read(args.ca_cert, "--ca-cert"),
+        client_cert=read(args.client_cert, "--client-cert"),
+        client_key=read(args.client_key, "--client-key"),
+        token=token,
+    )
+
+
+def describe_error(code: grpc.StatusCode, details: str, connection: Connection | None = None) -> str:
+    """A failed call as one line; for TLS mismatches and token refusals, what to change."""
+    details = " ".join((details or "").split())
+    connection = connection or Connection()
+    hint = ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "WRONG_VERSION_NUMBER" in details or "packet length too long" in details:
+            hint = "the server does not speak TLS here: leave out --tls / --ca-cert" if connection.secure else ""
+        elif "CERTIFICATE_VERIFY_FAILED" in details or "unable to get local issuer" in details:
+            hint = "the server's certificate is not trusted: give its CA with --ca-cert"
+        elif "Hostname Verification" in details or "not in peer certificate" in details:
+            hint = "the server's certificate is not for this host name: connect by a name it holds"
+        elif "CERTIFICATE_REQUIRED" in details or "ALERT_HANDSHAKE_FAILURE" in details:
+            hint = "the server wants a client certificate: give --client-cert and --client-key"
+        elif "Socket closed" in details or "Connection reset" in details:
+            hint = (
+                "the server closed the TLS connection: if it wants a client certificate, give --client-cert "
+                "and --client-key (signed by a CA it trusts)"
+                if connection.secure
+                else "the server closed the connection at once: if it uses TLS, add --tls or --ca-cert"
+            )
+        elif connection.secure and "handshake" in details.lower():
+            hint = "the TLS handshake failed"
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        hint = (
+            "give --token or set $" + TOKEN_ENV
+            if not connection.token
+            else "check the token (--token, $COSYSTREAM_TOKEN)"
+        )
+    line = f"{code.name}: {details}"
+    return f"{hint} ({line})" if hint else line
 
 
 class StreamStatus:
