@@ -240,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--cache", default=".cache/accuracy", help="where fetched recordings are kept")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--decoders", default="greedy,beam", help="cosystream decoders to score, side by side")
+    parser.add_argument(
+        "--decoders",
+        default="greedy,beam",
+        help="cosystream decoders to score, side by side: greedy, beam (the compiled search when flashlight-text "
+        "is installed), beam:python, beam:flashlight",
+    )
     args = parser.parse_args(argv)
     sets = [Path(s) for s in args.sets]
     if args.real:
@@ -249,12 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         sets += fetch_prompts(Path(args.cache), args.prompts_limit)
     if not sets:
         parser.error("give test sets, --real and/or --prompts")
-    decoders = []
-    for kind in args.decoders.split(","):
+    decoders = {}
+    for name in args.decoders.split(","):
+        kind, _, search = name.partition(":")
         try:
-            decoders.append(DecoderConfig(kind).resolve(args.model))
+            decoders[name] = DecoderConfig(kind, search=search or "auto").resolve(args.model)
         except ValueError as err:  # e.g. greedy decoding of a phoneme model
-            print(f"not scoring the {kind} decoder: {err}", file=sys.stderr)
+            print(f"not scoring the {name} decoder: {err}", file=sys.stderr)
     if not decoders:
         parser.error("none of --decoders can decode this model")
     rows = []
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     for test_set in sets:
         wideband = native_rate(test_set) > 8000
         for band in [False, True] if args.telephone and wideband else [False]:
-            ours = {d.kind: evaluate(args.model, test_set, band, d) for d in decoders}
+            ours = {name: evaluate(args.model, test_set, band, d) for name, d in decoders.items()}
             theirs = pocketsphinx_scores(test_set, band)
             first = next(iter(ours.values()))
             rows.append(
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print(
-        f"\n{'set':<28} {'band':<9} {'utts':>5} {'decoder':<12} {'WER':>7} {'CER':>6} {'RTF':>6} {'us/frame':>9}"
+        f"\n{'set':<28} {'band':<9} {'utts':>5} {'decoder':<21} {'WER':>7} {'CER':>6} {'RTF':>6} {'us/frame':>9}"
     )
     for row in rows:
         lines = [(f"cosy {kind}", r) for kind, r in row["cosystream"].items()]
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in lines:
             per_frame = f"{r['decode_us_per_frame']:>9.0f}" if "decode_us_per_frame" in r else f"{'-':>9}"
             print(
-                f"{row['set']:<28} {row['band']:<9} {row['utterances']:>5} {name:<12} {r['wer'] * 100:>6.1f}%"
+                f"{row['set']:<28} {row['band']:<9} {row['utterances']:>5} {name:<21} {r['wer'] * 100:>6.1f}%"
                 f" {r['cer'] * 100:>5.1f}% {r['real_time_factor']:>6.3f} {per_frame}"
             )
     return 0

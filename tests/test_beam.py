@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -272,7 +273,9 @@ def test_decoder_config_resolves_against_the_model(tmp_path, lm):
         DecoderConfig("fancy")
     # The config crosses the engine -> frontend HELLO as a dict.
     assert DecoderConfig.from_dict(resolved.to_dict()) == resolved
-    factory = DecoderFactory(resolved, json.loads((DEFAULT_MODEL_DIR / "vocabulary.json").read_text()))
+    # The Python search (the compiled one, when flashlight-text is installed, is tests/test_flashlight.py's).
+    python = dataclasses.replace(resolved, search="python")
+    factory = DecoderFactory(python, json.loads((DEFAULT_MODEL_DIR / "vocabulary.json").read_text()))
     a, b = factory(), factory()
     assert isinstance(a, BeamCtcDecoder) and a is not b and a.lm is b.lm
 
@@ -286,3 +289,16 @@ def test_the_decoding_flags_help_states_the_beam_defaults():
     assert f"hypotheses kept per frame (default {defaults.beam_size})" in text
     assert f"language model weight (default {defaults.alpha})" in text
     assert f"score added per word, nats (default {defaults.beta})" in text
+
+
+def test_without_flashlight_text_the_python_search_stands_in(monkeypatch):
+    from cosystream.decoding import flashlight
+
+    monkeypatch.setattr(flashlight, "KenLM", None)
+    assert not flashlight.available()
+    resolved = DecoderConfig().resolve(None)
+    assert resolved.kind == "beam" and resolved.search == "python"
+    factory = DecoderFactory(resolved, json.loads((DEFAULT_MODEL_DIR / "vocabulary.json").read_text()))
+    assert isinstance(factory(), BeamCtcDecoder)
+    with pytest.raises(ValueError, match="pip install flashlight-text"):
+        DecoderConfig("beam", search="flashlight").resolve(None)

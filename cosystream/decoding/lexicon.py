@@ -7,6 +7,8 @@ from pathlib import Path
 
 from cosystream.decoding.lm import NgramLm
 
+HOMOPHONES = 3  # words kept per spelling (the likeliest by unigram): the language model tells them apart
+
 
 def read_spellings(path: str | Path) -> dict[str, str]:
     """A pronunciation lexicon file: ``word<TAB>spelling`` per line, the spelling in the model's
@@ -41,7 +43,7 @@ class Lexicon:
         vocabulary: list[str],
         lm: NgramLm | None = None,
         spellings: dict[str, str] | None = None,
-        homophones: int = 3,
+        homophones: int = HOMOPHONES,
     ) -> None:
         self.ids = {ch: i for i, ch in enumerate(vocabulary) if i > 0 and ch != " "}
         self.spelled = spellings is None  # words are spelled by their own letters
