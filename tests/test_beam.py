@@ -271,7 +271,7 @@ def test_decoder_config_resolves_against_the_model(tmp_path, lm):
         DecoderConfig(lm_path=str(tmp_path / "missing.arpa")).resolve(None)
     with pytest.raises(ValueError):
         DecoderConfig("fancy")
-    # The config crosses the engine -> frontend HELLO as a dict.
+    # The config round-trips through a dict.
     assert DecoderConfig.from_dict(resolved.to_dict()) == resolved
     # The Python search (the compiled one, when flashlight-text is installed, is tests/test_flashlight.py's).
     python = dataclasses.replace(resolved, search="python")
@@ -296,7 +296,7 @@ def test_without_flashlight_text_the_python_search_stands_in(monkeypatch):
 
     monkeypatch.setattr(flashlight, "KenLM", None)
     assert not flashlight.available()
-    resolved = DecoderConfig().resolve(None)
+    resolved = DecoderConfig(search="auto").resolve(None)
     assert resolved.kind == "beam" and resolved.search == "python"
     factory = DecoderFactory(resolved, json.loads((DEFAULT_MODEL_DIR / "vocabulary.json").read_text()))
     assert isinstance(factory(), BeamCtcDecoder)

@@ -3,9 +3,10 @@
 ``greedy`` reads each frame's best token; ``beam`` runs a lexicon-constrained prefix beam search against a
 word n-gram language model (ARPA). ``auto`` picks ``beam`` when the model directory ships a
 ``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. The beam search is the
-compiled one, :class:`~cosystream.decoding.flashlight.FlashlightCtcDecoder` (flashlight-text with KenLM,
-3-5x less decoding time at the same WER), when flashlight-text is installed, else the Python
-:class:`~cosystream.decoding.beam.BeamCtcDecoder`; :attr:`DecoderConfig.search` chooses. A model whose tokens are
+Python :class:`~cosystream.decoding.beam.BeamCtcDecoder` by default; ``search="flashlight"`` (or ``auto``:
+flashlight when installed) runs the compiled
+:class:`~cosystream.decoding.flashlight.FlashlightCtcDecoder` (flashlight-text with KenLM, 3-5x less
+decoding time at the same WER, but worse end to end so far); :attr:`DecoderConfig.search` chooses. A model whose tokens are
 phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search spells words by it, and
 ``greedy`` is refused (it would print phonemes; ``--beam-size`` is the way to a cheaper search). The
 application resolves the choice once against the model and hands it to the frontends; the engine is only
@@ -48,7 +49,9 @@ class DecoderConfig:
     lm_path: str | None = None  # None: the model directory's lm.arpa.gz
     beam: BeamConfig = field(default_factory=BeamConfig)
     lexicon_path: str | None = None  # set by resolve(): the model's pronunciation lexicon, if it has one
-    search: str = "auto"  # auto | flashlight | python: the beam search's implementation (see the module doc)
+    # auto | flashlight | python: the beam search's implementation. python until the compiled search holds up
+    # end to end (docs/PERFORMANCE.md: its capacity at 40 streams is worse, though it decodes 3-5x faster).
+    search: str = "python"
 
     def __post_init__(self) -> None:
         if self.kind not in DECODERS:
