@@ -161,8 +161,7 @@ class _Stream:
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
         self.token = current_token()  # who opened it (None: authentication is off)
-        self.quota: Claim | None = None
-        self._token_counted = False  # in the per-token sessions gauge
+        self.quota: Claim | None = None  # while set, the stream is counted in its token's quota and gauge
         self._force: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.last_request_s = time.monotonic()
@@ -237,7 +236,6 @@ class _Stream:
             except QuotaExceeded as err:
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "quota") from None
             self.servicer.metrics.token_session(self.token.name, opened=True)
-            self._token_counted = True
 
     def release(self) -> None:
         """Every exit path: stop reading, stop the timer, free the engine slot and the token's quota.
@@ -245,8 +243,7 @@ class _Stream:
         self.state = StreamState.RELEASED
         if self.quota is not None:
             self.quota.release()
-        if self._token_counted:
-            self._token_counted = False
+            self.quota = None
             self.servicer.metrics.token_session(self.token.name, opened=False)
         if self.reader is not None:
             self.reader.cancel()
