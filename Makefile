@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# System packages the tests use: speech synthesis, PulseAudio + PortAudio (mic client), SIP and RTP peers.
+# System packages the tests use: speech synthesis, PulseAudio + PortAudio (mic client), SIP and RTP peers,
+# a headless browser (the captioning page).
 APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins \
-	baresip-core gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good
+	baresip-core gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good \
+	chromium chromium-driver
 
 .PHONY: serve test lint protos install install-dev system-deps gpu-rehearsal clean
 
