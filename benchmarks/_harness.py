@@ -82,6 +82,8 @@ class Server:
             str(self.port),
             "--metrics-port",
             str(self.metrics_port),
+            "--http-port",
+            "0",
             *extra,
         ]
         self.process: subprocess.Popen | None = None

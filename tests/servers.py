@@ -3,6 +3,7 @@ client stream that holds a session open."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,23 @@ from cosystream.engine.core import EngineConfig
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
+
+
+def serve_argv(*args: str) -> list[str]:
+    """``cosystream serve`` on free ports (gRPC and metrics: any; HTTP: off), as a command line."""
+    return [
+        sys.executable,
+        "-m",
+        "cosystream",
+        "serve",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        *args,
+    ]
 
 
 @contextmanager
@@ -80,7 +98,7 @@ class HeldStream:
 class Served:
     """``cosystream serve`` in a subprocess, as users run it: ``with Served("--frontends", "2") as s:``.
 
-    ``s.address``, ``s.metrics_url``, ``s.log`` (every line so far), ``s.pids()`` (process name -> pid:
+    ``s.address``, ``s.metrics_url``, ``s.http_url``, ``s.log`` (every line so far), ``s.pids()`` (process name -> pid:
     cs-supervisor, cs-engine, cs-frontend-N), ``s.stub()``, ``s.health()``, ``s.info()``."""
 
     def __init__(self, *args: str, start_timeout_s: float = 90.0):
@@ -89,6 +107,9 @@ class Served:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.metrics_port = s.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.http_port = s.getsockname()[1]  # (unless the args give --http-port)
         self.args = args
         self.start_timeout_s = start_timeout_s
         self.log: list[str] = []
@@ -113,6 +134,8 @@ class Served:
                 "0",
                 "--metrics-port",
                 str(self.metrics_port),
+                "--http-port",
+                str(self.http_port),
                 *self.args,
             ],
             stdout=subprocess.PIPE,
@@ -143,6 +166,10 @@ class Served:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:

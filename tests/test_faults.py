@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from tests.servers import HeldStream, Served
+from tests.servers import HeldStream, Served, serve_argv
 from tests.speech import encode, needs_espeak, silence, speech
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -164,7 +164,7 @@ def test_serve_that_cannot_start_says_why_in_one_line_and_exits(tmp_path, args, 
     args = [a.replace("{empty}", str(tmp_path)) for a in args]
     started = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "cosystream", "serve", "--port", "0", "--metrics-port", "0", *args],
+        serve_argv(*args),
         capture_output=True,
         text=True,
         timeout=60,

@@ -37,7 +37,7 @@ from cosystream.server.tls import TlsConfig, TlsError, load
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.client import Connection, StreamStatus, describe_error
-from tests.servers import HeldStream, Served, local_server_with
+from tests.servers import HeldStream, Served, local_server_with, serve_argv
 from tests.speech import encode, needs_espeak, silence, speech
 
 x509 = pytest.importorskip("cryptography.x509", reason="needs cryptography (the dev extra)")
@@ -763,7 +763,7 @@ def test_serve_refuses_unusable_security_files_in_one_line(pki, tmp_path, args, 
     (tmp_path / "short").write_text("alice short\n")
     args = [a.replace("{dir}", str(tmp_path)).replace("{pki}", str(pki.root)) for a in args]
     run = subprocess.run(
-        [sys.executable, "-m", "cosystream", "serve", "--port", "0", "--metrics-port", "0", *args],
+        serve_argv(*args),
         capture_output=True,
         text=True,
         timeout=60,

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from tests.servers import HeldStream, Served
+from tests.servers import HeldStream, Served, serve_argv
 from tests.speech import encode, needs_espeak, silence, speech
 
 pytestmark = needs_espeak
@@ -172,7 +172,7 @@ def test_serve_refuses_a_bad_decoder_setup_with_one_line(tmp_path, args, message
     paths = {"BAD": tmp_path / "bad.arpa", "MISSING": tmp_path / "missing.arpa", "EMPTY": tmp_path / "empty"}
     args = [str(paths.get(a, a)) for a in args]
     run = subprocess.run(
-        [sys.executable, "-m", "cosystream", "serve", "--port", "0", "--metrics-port", "0", *args],
+        serve_argv(*args),
         capture_output=True,
         text=True,
         timeout=60,
@@ -189,7 +189,10 @@ def refused_beside(busy: socket.socket, *serve_args: str) -> str:
     port = str(busy.getsockname()[1])
     args = [a.replace("{port}", port) for a in serve_args]
     run = subprocess.run(
-        [sys.executable, "-m", "cosystream", "serve", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "cosystream", "serve", "--http-port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
     return run.stderr

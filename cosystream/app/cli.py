@@ -91,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default: 50051)")
     serve.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics; 0 disables")
     serve.add_argument(
+        "--http-port",
+        type=int,
+        default=8080,
+        help="HTTP port: OpenAI-shaped transcriptions and Realtime WebSocket, the captioning page at /; 0 disables",
+    )
+    serve.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=None,
+        help="largest file POST /v1/audio/transcriptions takes (default: 25)",
+    )
+    serve.add_argument(
         "--metrics-host",
         default=None,
         help="address for /metrics (default: the --host value, so a loopback server keeps its metrics local)",
@@ -288,10 +300,21 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
+    from cosystream.server.http.app import HttpConfig
+
     frontend = FrontendConfig(
         **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
         tls=tls,
         auth_tokens=auth_tokens,
+        http=None
+        if not args.http_port
+        else HttpConfig(
+            **given(
+                host=args.host,
+                max_upload_bytes=None if args.max_upload_mb is None else int(args.max_upload_mb * 1e6),
+            ),
+            port=args.http_port,
+        ),
         stream=StreamOptions(
             **given(idle_timeout_s=args.idle_timeout_s),
             default_endpointing=endpointing,
@@ -317,6 +340,14 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         sys.exit(
             f"cosystream serve: cannot serve on port {frontend.port}: {err.strerror or err} (--port picks another)"
         )
+    if frontend.http is not None:
+        try:
+            check_port_free(frontend.http.host, frontend.http.port)
+        except OSError as err:
+            sys.exit(
+                f"cosystream serve: cannot serve HTTP on port {frontend.http.port}: {err.strerror or err} "
+                "(--http-port picks another, 0 turns it off)"
+            )
     try:
         supervisor.serve_metrics()
     except OSError as err:

@@ -241,12 +241,22 @@ class Supervisor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await start
         port = start.result()
-        self.frontend_config = replace(self.frontend_config, port=port)
+        http = self.frontend_config.http
+        if http is not None:  # the others bind the port the first one got
+            http = replace(http, port=frontend.http_port)
+        self.frontend_config = replace(self.frontend_config, port=port, http=http)
         for index in range(1, self.frontends):
             self._spawn_frontend(index)
         if self.metrics_port:
             log.info("metrics on :%d/metrics", self.metrics_port)
         log.info("cosystream serving on port %d with %d frontend(s)", port, self.frontends)
+        if http is not None:
+            log.info(
+                "HTTP API and captioning page on http%s://%s:%d/",
+                "s" if self.frontend_config.tls else "",
+                http.host,
+                http.port,
+            )
         try:
             await self._watch(stop)
         finally:

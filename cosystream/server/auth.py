@@ -249,6 +249,12 @@ def current_token() -> Token | None:
     return _current_token.get()
 
 
+def use_token(token: Token | None) -> None:
+    """Make ``token`` the current one for the running task (and the tasks it starts from now on): the
+    HTTP adapters' counterpart of the interceptor."""
+    _current_token.set(token)
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Every method needs a known token, except those under ``exempt_prefixes`` (gRPC health: Kubernetes
     probes send no metadata).

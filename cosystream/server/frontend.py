@@ -8,6 +8,8 @@ when its files change (``tls.py``); with ``auth_tokens`` every call but gRPC hea
 Health is SERVING only while the engine is connected and every frontend of the server listens (the engine
 counts them: connections made before the others exist would all stay on the first), and NOT_SERVING at
 once when the engine is lost (until it is back and warm) or a drain begins.
+
+With ``http`` the frontend also serves its HTTP port (``http/``) on the same loop and servicer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cosystream.metrics import FrontendMetrics
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
 from cosystream.server.engine_client import Engine, EngineClient
+from cosystream.server.http.app import HttpConfig, HttpServer
 from cosystream.server.quota import TokenSessions
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
 from cosystream.server.tls import ReloadingCredentials, TlsConfig
@@ -48,6 +51,7 @@ class FrontendConfig:
     stream: StreamOptions = field(default_factory=StreamOptions)
     tls: TlsConfig | None = None  # None: plaintext (serve --tls-cert, --tls-key, --tls-client-ca)
     auth_tokens: str | None = None  # a tokens file; None: no authentication (serve --auth-tokens)
+    http: HttpConfig | None = None  # the HTTP port (OpenAI-shaped APIs, the page); None: off (serve --http-port)
 
 
 class Frontend:
@@ -69,6 +73,7 @@ class Frontend:
         self.engine = engine if engine is not None else EngineClient(engine_address, authkey)
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
+        self.http: HttpServer | None = None
         self.health = health.aio.HealthServicer()
         self.port = config.port
         self.draining = False
@@ -146,6 +151,11 @@ class Frontend:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         self._services = ("", SERVICE_NAME, *compat_services)
         await self.server.start()
+        if self.config.http is not None:
+            self.http = HttpServer(
+                self.config.http, self.servicer, self.tokens, self.config.tls, lambda: self.serving
+            )
+            await self.http.start()
         if self.tokens is not None:
             self._watch_tokens = asyncio.get_running_loop().create_task(self.tokens.watch())
         self._health_changed()  # NOT_SERVING until the engine counts every frontend listening
@@ -189,9 +199,15 @@ class Frontend:
             await self.servicer.drain(self.config.drain_grace_s)
         await self.stop(grace_s=1.0)
 
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
     async def stop(self, grace_s: float | None = None) -> None:
         if self._watch_tokens is not None:
             self._watch_tokens.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
         self.engine.close_connection()

@@ -7,6 +7,10 @@ only its own row), and one lock held for a few microseconds per claim or release
 only while it has open sessions; a slot whose counts are all zero is free for any name.
 
 A frontend that dies takes its sessions with it: the supervisor zeroes its row before respawning it.
+
+The same shared memory holds what short-lived client secrets (``cosystream.server.http.secrets``) need
+across the frontends: the key that signs them, and the secrets already spent (each is good for one
+connection, which may reach any frontend).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing as mp
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +30,9 @@ SLOTS = 1024
 NAME_BYTES = 64
 """The longest token name (auth.py refuses longer ones)."""
 LOCK_TIMEOUT_S = 0.05
+SPENT_SLOTS = 4096
+"""Client secrets spent and not yet expired that the table remembers (their nonces)."""
+NONCE_BYTES = 16
 
 
 class QuotaExceeded(Exception):
@@ -53,6 +61,9 @@ class TokenSessions:
         self._lock = context.Lock()
         self._names_raw = context.RawArray(ctypes.c_char, SLOTS * NAME_BYTES)
         self._counts_raw = context.RawArray(ctypes.c_int32, frontends * SLOTS)
+        self._secrets_raw = context.RawArray(ctypes.c_char, 32 + SPENT_SLOTS * NONCE_BYTES)
+        self._spent_until_raw = context.RawArray(ctypes.c_double, SPENT_SLOTS)
+        self._secrets_raw[:32] = os.urandom(32)
         self.frontends = frontends
         self.row = 0
         self._views()
@@ -60,14 +71,19 @@ class TokenSessions:
     def _views(self) -> None:
         self._names = np.frombuffer(self._names_raw, dtype=f"S{NAME_BYTES}")
         self._counts = np.frombuffer(self._counts_raw, dtype=np.int32).reshape(self.frontends, SLOTS)
+        self._spent = np.frombuffer(self._secrets_raw, dtype=f"S{NONCE_BYTES}", offset=32)
+        self._spent_until = np.frombuffer(self._spent_until_raw, dtype=np.float64)
         self._slot_of: dict[bytes, int] = {}  # this process's guesses, checked under the lock
         self._unlocked = False
 
+    _SHARED = ("_lock", "_names_raw", "_counts_raw", "_secrets_raw", "_spent_until_raw", "frontends", "row")
+
     def __getstate__(self):
-        return self._lock, self._names_raw, self._counts_raw, self.frontends, self.row
+        return tuple(getattr(self, name) for name in self._SHARED)
 
     def __setstate__(self, state) -> None:
-        self._lock, self._names_raw, self._counts_raw, self.frontends, self.row = state
+        for name, value in zip(self._SHARED, state, strict=True):
+            setattr(self, name, value)
         self._views()
 
     def for_frontend(self, index: int) -> TokenSessions:
@@ -75,8 +91,29 @@ class TokenSessions:
         if not 0 <= index < self.frontends:
             raise ValueError(f"frontend {index} of {self.frontends}")
         view = object.__new__(TokenSessions)
-        view.__setstate__((self._lock, self._names_raw, self._counts_raw, self.frontends, index))
+        view.__setstate__((*self.__getstate__()[:-1], index))
         return view
+
+    @property
+    def secret_key(self) -> bytes:
+        """The key that signs client secrets, the same in every frontend of the server."""
+        return bytes(self._secrets_raw[:32])
+
+    def spend(self, nonce: bytes, expires_at: float, now: float) -> bool:
+        """Mark a client secret spent until it expires; False if it was spent before. Raises
+        :class:`QuotaExceeded` when ``SPENT_SLOTS`` unexpired secrets are spent already."""
+        key = nonce[:NONCE_BYTES].ljust(NONCE_BYTES, b"\0")
+        with self._locked():
+            live = self._spent_until >= now
+            if np.any(live & (self._spent == key)):
+                return False
+            free = np.flatnonzero(~live)
+            if not len(free):
+                raise QuotaExceeded(f"{SPENT_SLOTS} client secrets are in use; retry in a minute")
+            slot = int(free[0])
+            self._spent[slot] = key
+            self._spent_until[slot] = expires_at
+        return True
 
     def claim(self, name: str, max_sessions: int | None) -> Claim:
         """Count one more session of ``name``; raises :class:`QuotaExceeded` at ``max_sessions`` (None: no

@@ -1,4 +1,4 @@
-"""TLS on the gRPC port, with certificates picked up from disk when they change (no restart).
+"""TLS on the gRPC and HTTP ports, with certificates picked up from disk when they change (no restart).
 
 ``grpc.dynamic_ssl_server_credentials`` asks a fetcher for a new certificate configuration at every TLS
 handshake; :class:`ReloadingCredentials` is that fetcher. It compares the files' (mtime, size, inode) with
@@ -153,3 +153,48 @@ class ReloadingCredentials:
         except Exception:  # never into gRPC's handshake
             log.exception("TLS certificate reload failed; keeping the current certificate")
             return None
+
+
+class ReloadingSSLContext:
+    """The HTTP port's TLS: an ``ssl.SSLContext`` whose certificate follows the files as the gRPC port's
+    does. At each handshake (its SNI callback, called with or without a server name) the files' signature
+    is compared with the last one read; a changed, usable pair becomes the context of this and the next
+    connections. Raises :class:`TlsError` if the files cannot be used now."""
+
+    def __init__(self, config: TlsConfig):
+        self.config = config
+        self._signature = _signature(config)
+        load(config)
+        self.context = self._make()  # what the listening socket holds
+        self._current = self.context
+        self._lock = threading.Lock()
+        self.reloads = 0
+
+    def _make(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.config.cert_path, self.config.key_path, password=_no_password)
+        if self.config.client_ca_path is not None:
+            context.load_verify_locations(cafile=self.config.client_ca_path)
+            context.verify_mode = ssl.CERT_REQUIRED
+        context.sni_callback = self._on_handshake
+        return context
+
+    def _on_handshake(self, sock: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        try:
+            with self._lock:
+                signature = _signature(self.config)
+                if signature != self._signature:
+                    self._signature = signature
+                    try:
+                        load(self.config)
+                        self._current = self._make()
+                        self.reloads += 1
+                        log.info("TLS certificate reloaded for the HTTP port from %s", self.config.cert_path)
+                    except (TlsError, ssl.SSLError, OSError) as err:
+                        log.error("TLS files changed but cannot be used, keeping the current certificate: %s", err)
+                current = self._current
+            if current is not context:
+                sock.context = current
+        except Exception:  # never into the handshake
+            log.exception("TLS certificate reload failed; keeping the current certificate")
+        return None

@@ -1,0 +1,61 @@
+"""Errors in OpenAI's JSON shape, and the native status codes they come from.
+
+OpenAI's APIs answer ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status; its SDKs
+raise ``BadRequestError`` (400), ``AuthenticationError`` (401), ``PermissionDeniedError`` (403),
+``RateLimitError`` (429), ``InternalServerError`` (5xx) and so on from them, so code written against them
+handles ours the same way.
+"""
+
+from __future__ import annotations
+
+import grpc
+from aiohttp import web
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict:
+    return {
+        "error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param, "code": code}
+    }
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape: raise it from a handler (the app's middleware answers it)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.code, self.param)
+
+    def response(self, headers: dict | None = None) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def from_status(code: grpc.StatusCode, message: str) -> ApiError:
+    """The HTTP error for a native stream's status."""
+    return ApiError(HTTP_STATUS.get(code, 500), message, code.name.lower())

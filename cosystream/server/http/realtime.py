@@ -1,0 +1,563 @@
+"""Realtime transcription over WebSocket, in the events of OpenAI's Realtime API (``intent=transcription``).
+
+Client events: ``session.update`` with a transcription session (or the older
+``transcription_session.update``), ``input_audio_buffer.append`` (base64 audio), ``.commit`` and ``.clear``.
+Server events: ``session.created`` / ``.updated`` (or ``transcription_session.*``, for clients that speak the
+older dialect: their ``OpenAI-Beta: realtime=v1`` header or first update says so),
+``input_audio_buffer.speech_started`` / ``speech_stopped`` / ``committed`` / ``cleared``,
+``conversation.item.input_audio_transcription.delta`` and ``.completed``, and ``error``.
+
+Audio goes to a native stream (:class:`NativeStream`), opened at the first append after the session's
+settings and closed by a commit or a clear, so a settings change takes effect at the next buffer. With
+``server_vad`` turn detection (the default) every utterance the endpointer finds is an item: its speech
+events, interims as deltas, and its final as ``completed``; a commit ends the utterance in progress. With
+``turn_detection: null`` nothing ends by itself: a commit ends the buffer, and its item's ``completed`` is
+the text of all of it.
+
+Deltas: each ``delta`` extends the item's text, as OpenAI's do, while the interim only grows (greedy
+decoding; beam search until it revises a word). When an interim revises earlier text, the delta event
+carries ``"replace": true`` and ``delta`` is the whole new text. Every delta also carries ``transcript``, the
+item's whole text so far, and ``latency`` (the server's timings, as in the native ``Latency``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+from aiohttp import WSMsgType, web
+
+from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ
+from cosystream.audio.endpointing import EndpointingConfig
+from cosystream.engine.scheduler import Priority
+from cosystream.frames import FRAME_MS
+from cosystream.server.auth import Token
+from cosystream.server.http.common import check_language, native_model, seconds
+from cosystream.server.http.errors import ApiError
+from cosystream.server.http.native import NativeStream, StreamEnded
+from cosystream.server.servicer import CosyStreamServicer
+from cosystream.v1 import cosystream_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+OPENAI_PCM_RATE_HZ = 24000  # pcm16 / audio/pcm unless the session says otherwise
+MANUAL_SILENCE_MS = 10_000  # turn_detection null: the longest pause the endpointer allows...
+MANUAL_MAX_UTTERANCE_MS = 600_000  # ...and utterance; the buffer's text spans them all
+CLOSE_WAIT_S = 2.0
+"""How long a closing connection waits for its queued events to be sent."""
+QUEUED_EVENTS = 256
+"""Server events queued for a client that does not read them before the session stops reading its audio."""
+
+_FORMATS = {  # (native encoding, fixed rate or None)
+    "pcm16": (pb.LINEAR16, None),
+    "audio/pcm": (pb.LINEAR16, None),
+    "g711_ulaw": (pb.MULAW, 8000),
+    "audio/pcmu": (pb.MULAW, 8000),
+    "g711_alaw": (pb.ALAW, 8000),
+    "audio/pcma": (pb.ALAW, 8000),
+}
+_GA_FORMAT_NAMES = {pb.LINEAR16: "audio/pcm", pb.MULAW: "audio/pcmu", pb.ALAW: "audio/pcma"}
+_BETA_FORMAT_NAMES = {pb.LINEAR16: "pcm16", pb.MULAW: "g711_ulaw", pb.ALAW: "g711_alaw"}
+# Statuses after which the connection cannot go on: closed with these WebSocket codes.
+_FATAL = {
+    grpc.StatusCode.UNAVAILABLE: 1012,  # service restart: retry on another server
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 1013,  # try again later
+    grpc.StatusCode.PERMISSION_DENIED: 1008,  # policy violation
+    grpc.StatusCode.UNAUTHENTICATED: 1008,
+}
+
+
+class EventError(Exception):
+    """A client event refused: an ``error`` event with this code; the connection goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    encoding: int = pb.LINEAR16
+    sample_rate_hz: int = OPENAI_PCM_RATE_HZ
+    server_vad: bool = True
+    silence_ms: int = 0  # 0: the server's default
+    model: str = ""  # as requested (echoed back)
+    language: str = ""
+    prompt: str = ""
+    vad_extra: tuple = ()  # turn-detection fields accepted and echoed (threshold, prefix_padding_ms, ...)
+
+    @property
+    def bytes_per_ms(self) -> float:
+        return self.sample_rate_hz * (2 if self.encoding == pb.LINEAR16 else 1) / 1000
+
+
+def _silence_ms(value: Any) -> int:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise EventError(
+            "silence_duration_ms must be a positive number of milliseconds", param="silence_duration_ms"
+        )
+    return int(min(10_000, max(FRAME_MS, round(value / FRAME_MS) * FRAME_MS)))
+
+
+def apply_update(settings: Settings, session: Any, servicer: CosyStreamServicer) -> Settings:
+    """``settings`` changed by a ``session`` object of either dialect. Raises :class:`EventError`."""
+    if not isinstance(session, dict):
+        raise EventError("session must be an object", param="session")
+    if session.get("type") not in (None, "transcription"):
+        raise EventError(
+            f"this server runs transcription sessions only (session.type {session.get('type')!r})",
+            param="session.type",
+        )
+    audio = session.get("audio") or {}
+    audio_input = (audio.get("input") or {}) if isinstance(audio, dict) else None
+    if not isinstance(audio_input, dict):
+        raise EventError("session.audio.input must be an object", param="session.audio.input")
+    changes: dict[str, Any] = {}
+    # The audio format: GA {"type": "audio/pcm", "rate": N}, or the older "pcm16" with our own rate field.
+    fmt = audio_input.get("format", session.get("input_audio_format"))
+    rate = session.get("input_audio_sample_rate")
+    if isinstance(fmt, dict):
+        rate = fmt.get("rate", rate)
+        fmt = fmt.get("type")
+    if fmt is not None:
+        if fmt not in _FORMATS:
+            raise EventError(
+                f"audio format {fmt!r} is not supported: use audio/pcm (pcm16), audio/pcmu (g711_ulaw) or "
+                "audio/pcma (g711_alaw)",
+                param="session.audio.input.format",
+            )
+        encoding, fixed = _FORMATS[fmt]
+        changes["encoding"] = encoding
+        if fixed:
+            changes["sample_rate_hz"] = fixed
+        elif settings.encoding != encoding:  # back to PCM from G.711: OpenAI's rate unless one is given
+            changes["sample_rate_hz"] = OPENAI_PCM_RATE_HZ
+    if rate is not None:
+        encoding = changes.get("encoding", settings.encoding)
+        if encoding != pb.LINEAR16 and rate != 8000:
+            raise EventError("G.711 audio is 8000 Hz", param="session.audio.input.format.rate")
+        if not isinstance(rate, int) or not MIN_INPUT_RATE_HZ <= rate <= MAX_INPUT_RATE_HZ:
+            raise EventError(
+                f"rate {rate!r} is not supported: use {MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ} Hz",
+                param="session.audio.input.format.rate",
+            )
+        changes["sample_rate_hz"] = rate
+    transcription = audio_input.get("transcription", session.get("input_audio_transcription"))
+    if transcription is not None:
+        if not isinstance(transcription, dict):
+            raise EventError("transcription must be an object", param="session.audio.input.transcription")
+        try:
+            if "model" in transcription:
+                native_model(servicer, transcription.get("model"), "session.audio.input.transcription.model")
+                changes["model"] = transcription.get("model") or ""
+            if "language" in transcription:
+                check_language(
+                    servicer, transcription.get("language"), "session.audio.input.transcription.language"
+                )
+                changes["language"] = transcription.get("language") or ""
+        except ApiError as err:
+            raise EventError(err.message, err.code or "invalid_value", err.param) from None
+        changes["prompt"] = transcription.get("prompt") or settings.prompt
+    marker = object()
+    turn = audio_input.get("turn_detection", session.get("turn_detection", marker))
+    if turn is None:
+        changes["server_vad"] = False
+    elif turn is not marker:
+        if not isinstance(turn, dict) or turn.get("type", "server_vad") not in ("server_vad", "semantic_vad"):
+            raise EventError(
+                'turn_detection: use {"type": "server_vad", "silence_duration_ms": N} or null',
+                param="session.audio.input.turn_detection",
+            )
+        changes["server_vad"] = True
+        changes["silence_ms"] = _silence_ms(turn["silence_duration_ms"]) if "silence_duration_ms" in turn else 0
+        changes["vad_extra"] = tuple(
+            (key, value) for key, value in turn.items() if key not in ("type", "silence_duration_ms")
+        )
+    return replace(settings, **changes)
+
+
+def describe(settings: Settings, session_id: str, defaults: EndpointingConfig, beta: bool) -> dict:
+    """The session as ``session.created`` / ``.updated`` show it."""
+    turn = None
+    if settings.server_vad:
+        turn = {
+            "type": "server_vad",
+            **dict(settings.vad_extra),
+            "silence_duration_ms": settings.silence_ms or defaults.silence_ms,
+        }
+    transcription = {"model": settings.model or "default", "language": settings.language or None}
+    transcription["prompt"] = settings.prompt
+    if beta:
+        return {
+            "id": session_id,
+            "object": "realtime.transcription_session",
+            "input_audio_format": _BETA_FORMAT_NAMES[settings.encoding],
+            "input_audio_sample_rate": settings.sample_rate_hz,
+            "input_audio_transcription": transcription,
+            "turn_detection": turn,
+            "input_audio_noise_reduction": None,
+            "include": [],
+        }
+    return {
+        "type": "transcription",
+        "id": session_id,
+        "object": "realtime.transcription_session",
+        "audio": {
+            "input": {
+                "format": {"type": _GA_FORMAT_NAMES[settings.encoding], "rate": settings.sample_rate_hz},
+                "transcription": transcription,
+                "turn_detection": turn,
+                "noise_reduction": None,
+            }
+        },
+        "include": [],
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+class _Buffer:
+    """One native stream of the connection: the audio between two commits (or clears)."""
+
+    def __init__(self, connection: RealtimeConnection, settings: Settings, offset_ms: float):
+        self.connection = connection
+        self.settings = settings
+        self.offset_ms = offset_ms  # where this buffer starts in the connection's audio
+        self.sent_bytes = 0
+        self.committing = False
+        self.item_id: str | None = None if settings.server_vad else _new_id("item")
+        self.committed_items = 0  # items committed since the commit was asked for
+        self.finals: list[str] = []  # manual turns: the finals of the buffer so far
+        self.text = ""  # the current item's text as the deltas have built it
+        endpointing = None
+        if not settings.server_vad:
+            endpointing = pb.EndpointingConfig(
+                silence_ms=MANUAL_SILENCE_MS, max_utterance_ms=MANUAL_MAX_UTTERANCE_MS
+            )
+        elif settings.silence_ms:
+            endpointing = pb.EndpointingConfig(silence_ms=settings.silence_ms)
+        config = pb.StreamingConfig(
+            encoding=settings.encoding,
+            sample_rate_hz=settings.sample_rate_hz,
+            priority=Priority.REALTIME,
+            interim_results=True,
+            endpointing=endpointing,
+            model=native_model(connection.servicer, settings.model),
+            enable_word_time_offsets=True,
+        )
+        self.stream = NativeStream(connection.servicer, config, connection.token)
+        self.task = asyncio.get_running_loop().create_task(self._pump())
+
+    @property
+    def audio_ms(self) -> float:
+        return self.sent_bytes / self.settings.bytes_per_ms
+
+    def ms(self, stream_ms: int) -> int:
+        return round(self.offset_ms + stream_ms)
+
+    async def append(self, audio: bytes) -> None:
+        self.sent_bytes += len(audio)
+        await self.stream.send_audio(audio)
+
+    def commit(self) -> None:
+        self.committing = True
+        if not self.settings.server_vad:
+            self.connection.emit(
+                {
+                    "type": "input_audio_buffer.committed",
+                    "item_id": self.item_id,
+                    "previous_item_id": self.connection.last_item,
+                }
+            )
+            self.connection.last_item = self.item_id
+        self.stream.half_close()
+
+    async def _pump(self) -> None:
+        emit = self.connection.emit
+        try:
+            async for response in self.stream.responses():
+                event = response.speech_event
+                if event.type == pb.SpeechEvent.SPEECH_STARTED and self.settings.server_vad:
+                    self.item_id, self.text = _new_id("item"), ""
+                    emit(
+                        {
+                            "type": "input_audio_buffer.speech_started",
+                            "audio_start_ms": self.ms(event.offset_ms),
+                            "item_id": self.item_id,
+                        }
+                    )
+                elif event.type == pb.SpeechEvent.SPEECH_ENDED and self.settings.server_vad:
+                    emit(
+                        {
+                            "type": "input_audio_buffer.speech_stopped",
+                            "audio_end_ms": self.ms(event.offset_ms),
+                            "item_id": self.item_id,
+                        }
+                    )
+                    emit(
+                        {
+                            "type": "input_audio_buffer.committed",
+                            "item_id": self.item_id,
+                            "previous_item_id": self.connection.last_item,
+                        }
+                    )
+                    self.connection.last_item = self.item_id
+                    self.committed_items += 1
+                for result in response.results:
+                    self._result(result, response.latency)
+        except StreamEnded as ended:
+            self._ended(ended)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("realtime session %s: a buffer failed", self.connection.session_id)
+            self.connection.fail(grpc.StatusCode.INTERNAL, "the server failed to process the audio")
+        finally:
+            self.connection.buffer_done(self)
+
+    def _latency(self, latency: pb.Latency) -> dict:
+        return {
+            "audio_processed_ms": self.ms(latency.audio_processed_ms),
+            "queue_ms": round(latency.queue_ms, 3),
+            "compute_ms": round(latency.compute_ms, 3),
+            "receive_to_send_ms": round(latency.receive_to_send_ms, 3),
+        }
+
+    def _result(self, result: pb.StreamingResult, latency: pb.Latency) -> None:
+        if self.item_id is None:  # (server_vad: every result belongs to an utterance that started)
+            return
+        if self.settings.server_vad:
+            text = result.transcript
+        else:
+            text = " ".join([*self.finals, result.transcript] if result.transcript else self.finals)
+        if text != self.text:
+            grows = text.startswith(self.text)
+            event = {
+                "type": "conversation.item.input_audio_transcription.delta",
+                "item_id": self.item_id,
+                "content_index": 0,
+                "delta": text[len(self.text) :] if grows else text,
+                "transcript": text,
+                "latency": self._latency(latency),
+            }
+            if not grows:
+                event["replace"] = True
+            self.connection.emit(event)
+            self.text = text
+        if not result.is_final:
+            return
+        if not self.settings.server_vad:
+            if result.transcript:
+                self.finals.append(result.transcript)
+            return
+        self.connection.emit(self._completed(result.transcript, latency, result))
+        self.item_id, self.text = None, ""
+
+    def _completed(self, transcript: str, latency: pb.Latency, result: pb.StreamingResult | None = None) -> dict:
+        event: dict[str, Any] = {
+            "type": "conversation.item.input_audio_transcription.completed",
+            "item_id": self.item_id,
+            "content_index": 0,
+            "transcript": transcript,
+            "logprobs": None,
+            "usage": {"type": "duration", "seconds": round(self.audio_ms / 1000, 3)},
+            "latency": self._latency(latency),
+        }
+        if result is not None:
+            event["start_ms"] = self.ms(result.start_ms)
+            event["end_ms"] = self.ms(result.end_ms)
+            event["words"] = [
+                {"word": w.word, "start": seconds(self.ms(w.start_ms)), "end": seconds(self.ms(w.end_ms))}
+                for w in result.words
+            ]
+        return event
+
+    def _ended(self, ended: StreamEnded) -> None:
+        connection = self.connection
+        if ended.code == grpc.StatusCode.OK:
+            if not self.settings.server_vad:
+                connection.emit(self._completed(" ".join(self.finals), pb.Latency()))
+            elif self.committing and not self.committed_items:
+                connection.error(
+                    "the input audio buffer held no speech to commit", "input_audio_buffer_commit_empty"
+                )
+            return
+        if ended.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return  # no audio for the idle timeout: what was heard got its final; the next append reopens
+        connection.fail(ended.code, ended.message)
+
+
+class RealtimeConnection:
+    """One WebSocket's transcription session."""
+
+    def __init__(self, servicer: CosyStreamServicer, ws: web.WebSocketResponse, token: Token | None, beta: bool):
+        self.servicer = servicer
+        self.ws = ws
+        self.token = token
+        self.beta = beta
+        self.session_id = _new_id("sess")
+        self.settings = Settings()
+        self.buffer: _Buffer | None = None  # receiving audio
+        self.buffers: set[_Buffer] = set()  # all with a native stream open (finishing ones too)
+        self.ended_ms = 0.0  # audio of the buffers before the current one
+        self.last_item: str | None = None
+        self.closing: tuple[int, str] | None = None
+        self._out: asyncio.Queue = asyncio.Queue(QUEUED_EVENTS)
+        self._writer: asyncio.Task | None = None
+        self._closer: asyncio.Task | None = None
+
+    # Server events, in order, through one writer.
+    def emit(self, event: dict) -> None:
+        event.setdefault("event_id", _new_id("event"))
+        event = {"type": event.pop("type"), "event_id": event.pop("event_id"), **event}
+        try:
+            self._out.put_nowait(event)
+        except asyncio.QueueFull:
+            log.info("realtime session %s: the client reads no events; closing", self.session_id)
+            self.close(1008, "the client does not read its events")
+
+    async def _write(self) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            while True:
+                event = await self._out.get()
+                if event is None:
+                    break
+                await self.ws.send_str(json.dumps(event))
+
+    def error(self, message: str, code: str, param: str | None = None, event_id: str | None = None) -> None:
+        kind = "invalid_request_error" if code not in ("server_error", "internal") else "server_error"
+        self.emit(
+            {
+                "type": "error",
+                "error": {"type": kind, "code": code, "message": message, "param": param, "event_id": event_id},
+            }
+        )
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        """A native stream ended with ``code``: say so; close the connection if it cannot go on."""
+        self.error(message, code.name.lower() if code != grpc.StatusCode.INTERNAL else "server_error")
+        if code in _FATAL:
+            self.close(_FATAL[code], message)
+
+    def close(self, code: int, reason: str) -> None:
+        """Send what is queued, then close the WebSocket with ``code`` (the client's reading ends)."""
+        if self.closing is None:
+            self.closing = (code, reason[:120])
+            with contextlib.suppress(asyncio.QueueFull):
+                self._out.put_nowait(None)
+            self._closer = asyncio.get_running_loop().create_task(self._close())
+
+    async def _close(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(self._writer), CLOSE_WAIT_S)
+        code, reason = self.closing
+        await self.ws.close(code=code, message=reason.encode())
+
+    def buffer_done(self, buffer: _Buffer) -> None:
+        self.buffers.discard(buffer)
+        if self.buffer is buffer:
+            self._end_buffer()
+
+    def _end_buffer(self) -> None:
+        if self.buffer is not None:
+            self.ended_ms += self.buffer.audio_ms
+            self.buffer = None
+
+    async def serve(self) -> None:
+        self._writer = asyncio.get_running_loop().create_task(self._write())
+        name = "transcription_session.created" if self.beta else "session.created"
+        self.emit({"type": name, "session": self._describe()})
+        try:
+            async for message in self.ws:
+                if message.type != WSMsgType.TEXT:
+                    if message.type == WSMsgType.BINARY:
+                        self.error("send events as JSON text messages", "invalid_json")
+                    continue
+                await self._event(message.data)
+                if self.closing is not None:
+                    break
+        finally:
+            await self._finish()
+
+    async def _finish(self) -> None:
+        """The client left (or the server closes): buffers still open are dropped, their slots freed."""
+        for buffer in list(self.buffers):
+            buffer.task.cancel()
+        for buffer in list(self.buffers):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await buffer.task
+        if self.closing is None:
+            self.close(1000, "")
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._closer
+
+    def _describe(self) -> dict:
+        return describe(self.settings, self.session_id, self.servicer.options.default_endpointing, self.beta)
+
+    async def _event(self, text: str) -> None:
+        event_id = None
+        try:
+            try:
+                event = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise EventError(f"the event is not JSON: {err}", "invalid_json") from None
+            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                raise EventError("an event is a JSON object with a string 'type'", "invalid_event", "type")
+            event_id = event.get("event_id")
+            await self._handle(event["type"], event)
+        except EventError as err:
+            self.error(err.message, err.code, err.param, event_id)
+
+    async def _handle(self, kind: str, event: dict) -> None:
+        if kind in ("session.update", "transcription_session.update"):
+            self.settings = apply_update(self.settings, event.get("session"), self.servicer)
+            if self.buffer is not None and self.buffer.settings != self.settings:
+                self.buffer.commit()  # the new settings take effect at the next buffer
+                self._end_buffer()
+            beta = kind == "transcription_session.update"
+            updated = describe(self.settings, self.session_id, self.servicer.options.default_endpointing, beta)
+            self.emit({"type": kind.replace(".update", ".updated"), "session": updated})
+        elif kind == "input_audio_buffer.append":
+            audio = event.get("audio")
+            if not isinstance(audio, str):
+                raise EventError(
+                    "input_audio_buffer.append needs 'audio', base64 audio", "missing_required_parameter", "audio"
+                )
+            try:
+                data = base64.b64decode(audio, validate=True)
+            except (binascii.Error, ValueError):
+                raise EventError("'audio' is not valid base64", "invalid_value", "audio") from None
+            if self.buffer is None:
+                self.buffer = _Buffer(self, self.settings, self.ended_ms)
+                self.buffers.add(self.buffer)
+            await self.buffer.append(data)
+        elif kind == "input_audio_buffer.commit":
+            if self.buffer is None:
+                raise EventError(
+                    "the input audio buffer is empty: nothing to commit", "input_audio_buffer_commit_empty"
+                )
+            self.buffer.commit()
+            self._end_buffer()
+        elif kind == "input_audio_buffer.clear":
+            if self.buffer is not None:
+                self.buffer.task.cancel()  # its results are dropped and its slot freed
+                self._end_buffer()
+            self.emit({"type": "input_audio_buffer.cleared"})
+        else:
+            raise EventError(
+                f"event type {kind!r} is not supported in a transcription session (session.update, "
+                "input_audio_buffer.append, input_audio_buffer.commit, input_audio_buffer.clear)",
+                "invalid_event_type",
+                "type",
+            )
