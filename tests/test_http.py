@@ -42,8 +42,8 @@ REALTIME_ONLY = "rt-00112233445566778899aa"
 
 
 class Reply:
-    def __init__(self, status: int, text: str):
-        self.status_code, self.text = status, text
+    def __init__(self, status: int, text: str, headers=None):
+        self.status_code, self.text, self.headers = status, text, headers or {}
 
     def json(self):
         return json.loads(self.text)
@@ -57,7 +57,7 @@ def http(method: str, url: str, ssl_context: ssl.SSLContext | None = None, **kwa
             aiohttp.ClientSession() as session,
             session.request(method, url, ssl=ssl_context or True, **kwargs) as response,
         ):
-            return Reply(response.status, await response.text())
+            return Reply(response.status, await response.text(), dict(response.headers))
 
     return asyncio.run(go())
 
@@ -261,6 +261,9 @@ def test_models_health_and_the_page(client, server):
     assert http("GET", f"{server.http_url}/health").json() == {"status": "SERVING"}
     page = http("GET", f"{server.http_url}/")
     assert page.status_code == 200 and "<html" in page.text.lower()
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    script = http("GET", f"{server.http_url}/static/captions.js")
+    assert script.status_code == 200 and script.headers["Cache-Control"] == "no-cache"
 
 
 def test_a_client_that_hangs_up_mid_file_frees_its_slot(server):

@@ -52,6 +52,18 @@ class HttpConfig:
     max_upload_bytes: int = 25 << 20  # a larger file is refused with 413 (OpenAI's limit is 25 MB)
 
 
+PAGE_POLICY = "default-src 'self'; img-src 'self' data:; connect-src 'self' blob:; frame-ancestors 'none'"
+
+
+async def _page_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The page and its files: revalidated on every load (an upgraded server never pairs a new page with an
+    old script) and confined to this origin."""
+    if request.path == "/" or request.path.startswith("/static/"):
+        response.headers.setdefault("Cache-Control", "no-cache")
+        response.headers.setdefault("Content-Security-Policy", PAGE_POLICY)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+
+
 class HttpServer:
     def __init__(
         self,
@@ -83,6 +95,7 @@ class HttpServer:
         app.router.add_post("/v1/realtime/client_secrets", self._client_secret)
         if STATIC.is_dir():
             app.router.add_static("/static/", STATIC)
+        app.on_response_prepare.append(_page_headers)
         return app
 
     async def start(self) -> int:

@@ -1,0 +1,360 @@
+"""The captioning page (``GET /``) in a real headless Chromium, driven by selenium: the microphone is
+Chromium's fake capture device playing speech synthesized by espeak-ng, through the page's AudioWorklet,
+over the Realtime WebSocket of a real server on loopback; the test reads the captions, the latency
+readout and the WebVTT download from the DOM. Also: tokens and client secrets, a refused microphone, a
+server that goes away, and the worklet's resampler measured on tones.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` (``make system-deps``); skipped without them. Nothing
+is downloaded: selenium is given the driver's path and runs offline.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+import wave
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from cosystream.app.local import LocalServer
+from cosystream.engine.core import EngineConfig
+from cosystream.server.frontend import FrontendConfig
+from cosystream.server.http.app import HttpConfig
+from cosystream.server.servicer import StreamOptions
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.speech import encode, needs_espeak, silence, speech
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver") or (
+    "/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None
+)
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs chromium and chromedriver (apt-get install chromium chromium-driver)",
+)
+
+SENTENCE = "the quick brown fox jumps over the lazy dog"
+OTHER = "please call me back tomorrow morning"
+TOKEN = "carol-0123456789abcdef0123"
+FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1200,900",
+]
+WAIT_CAPTIONS_S = 40.0
+
+
+def heard(transcript: str, sentence: str = SENTENCE) -> bool:
+    """Most of the sentence's words are in the transcript (the model is small; espeak is not a person)."""
+    words = set(sentence.split())
+    return len(words & set(transcript.lower().split())) >= len(words) - 2
+
+
+# --- servers and browsers ----------------------------------------------------------------------------
+
+
+@contextmanager
+def http_server(tokens: Path | None = None) -> Iterator[LocalServer]:
+    config = FrontendConfig(
+        host="127.0.0.1",
+        port=0,
+        stream=StreamOptions(idle_timeout_s=5.0),
+        auth_tokens=None if tokens is None else str(tokens),
+        http=HttpConfig(host="127.0.0.1", port=0),
+    )
+    with LocalServer(frontend_config=config, engine=EngineConfig(max_sessions=4, max_batch=4)) as server:
+        server.http_url = f"http://127.0.0.1:{server.frontend.http_port}/"
+        yield server
+
+
+def active_sessions(server: LocalServer, token: str | None = None) -> int:
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(server.address) as channel:
+        info = pb_grpc.CosyStreamStub(channel).GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=5, metadata=metadata
+        )
+        return info.active_sessions
+
+
+@pytest.fixture(scope="module")
+def speech_wav(tmp_path_factory) -> Path:
+    """Two sentences, 48 kHz mono 16-bit: Chromium's fake microphone plays them from the start for each
+    capture, then silence (``%noloop``), resampled to the rate it captures at."""
+    rate_hz = 48000
+    audio = np.concatenate(
+        [
+            silence(0.5, rate_hz),
+            speech(SENTENCE, rate_hz=rate_hz),
+            silence(1.0, rate_hz),
+            speech(OTHER, rate_hz=rate_hz),
+            silence(1.0, rate_hz),
+        ]
+    )
+    path = tmp_path_factory.mktemp("browser") / "speech.wav"
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate_hz)
+        wav.writeframes(encode(audio, "LINEAR16"))
+    return path
+
+
+@contextmanager
+def chromium(*flags: str) -> Iterator[webdriver.Chrome]:
+    os.environ.setdefault("SE_OFFLINE", "1")  # selenium-manager never looks for (or fetches) a browser
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    with tempfile.TemporaryDirectory(prefix="cosystream-chromium-") as profile:
+        for flag in [*FLAGS, f"--user-data-dir={profile}", *flags]:
+            options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+        try:
+            yield driver
+        finally:
+            driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with http_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser(speech_wav) -> Iterator[webdriver.Chrome]:
+    """A Chromium whose microphone is allowed and plays ``speech_wav``."""
+    with chromium(
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={speech_wav}%noloop",
+    ) as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def denying_browser() -> Iterator[webdriver.Chrome]:
+    """A Chromium that refuses every permission prompt (the microphone's too)."""
+    with chromium("--use-fake-device-for-media-stream", "--deny-permission-prompts") as driver:
+        yield driver
+
+
+class Page:
+    """The captioning page, read through the DOM."""
+
+    def __init__(self, driver: webdriver.Chrome, url: str):
+        self.driver = driver
+        driver.get(url)
+        self.wait(lambda: driver.execute_script("return document.readyState") == "complete", 10, "the page loads")
+
+    def element(self, element_id: str):
+        return self.driver.find_element(By.ID, element_id)
+
+    def click_start(self) -> None:
+        self.element("start").click()
+
+    def status(self) -> tuple[str, str]:
+        return tuple(
+            self.driver.execute_script(
+                "const s = document.getElementById('status'); return [s.textContent, s.dataset.kind]"
+            )
+        )
+
+    def finals(self) -> list[str]:
+        return self.driver.execute_script(
+            "return [...document.querySelectorAll('#finals li .text')].map((e) => e.textContent)"
+        )
+
+    def wait(self, predicate: Callable[[], object], timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if value := predicate():
+                return value
+            time.sleep(0.1)
+        raise AssertionError(f"{what} within {timeout_s} s; the page says {self.status()!r}\n{self.console()}")
+
+    def wait_error(self, timeout_s: float = 15.0) -> str:
+        return self.wait(lambda: (s := self.status())[1] == "error" and s[0], timeout_s, "an error shown")
+
+    def console(self) -> str:
+        return "\n".join(str(entry) for entry in self.driver.get_log("browser"))
+
+    def watch_partials(self) -> None:
+        """Record every text the live line shows (the page rewrites it in place)."""
+        self.driver.execute_script(
+            """
+            const partial = document.getElementById("partial");
+            window.partials = [];
+            window.partialNodes = new Set();
+            new MutationObserver(() => {
+              window.partials.push(partial.textContent);
+              window.partialNodes.add(document.querySelectorAll("#partial").length);
+            }).observe(partial, { childList: true, characterData: true, subtree: true });
+            """
+        )
+
+    def download_text(self) -> str:
+        return self.driver.execute_async_script(
+            """
+            const done = arguments[arguments.length - 1];
+            fetch(document.getElementById("download").href)
+              .then((response) => response.text())
+              .then(done, (err) => done(`ERROR ${err}`));
+            """
+        )
+
+
+def screenshot(driver: webdriver.Chrome, path: Path) -> None:
+    driver.save_screenshot(str(path))
+    shutil.copyfile(path, "/tmp/caption-page.png")
+
+
+# --- the tests -----------------------------------------------------------------------------------------
+
+
+@needs_espeak
+def test_captions_from_the_microphone_with_latency_and_a_vtt_download(browser, server, tmp_path):
+    page = Page(browser, server.http_url)
+    assert page.status()[1] == "idle" and page.element("download").get_attribute("aria-disabled") == "true"
+    page.watch_partials()
+    page.click_start()
+    page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
+    finals = page.wait(lambda: len(f := page.finals()) >= 2 and f, WAIT_CAPTIONS_S, "two finals")
+    assert len(finals) == 2 and heard(finals[0]) and heard(finals[1], OTHER), finals
+
+    partials = browser.execute_script("return window.partials")
+    texts = [t for t in partials if t]
+    assert len(set(texts)) >= 3, f"the live line showed the words as they came: {partials}"
+    assert partials[-1] == "", "the live line is cleared when its final arrives"
+    assert browser.execute_script("return [...window.partialNodes]") == [1], "one live line, rewritten"
+    times = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#finals li time")]
+    assert times == ["00:00", "00:04"], times  # the sentences start 0.5 s and 4.4 s into the capture
+
+    server_ms = page.element("latency-server").text
+    delay_ms = page.element("latency-lag").text
+    assert re.fullmatch(r"\d+(\.\d)? ms", server_ms) and re.fullmatch(r"\d+(\.\d)? ms", delay_ms)
+    assert float(server_ms.split()[0]) < 1000 and float(delay_ms.split()[0]) < 5000, (server_ms, delay_ms)
+
+    link = page.element("download")
+    assert link.get_attribute("href").startswith("blob:") and link.get_attribute("download").endswith(".vtt")
+    assert link.get_attribute("aria-disabled") is None
+    vtt = page.download_text()
+    cues = re.findall(r"^(\d+)\n(\d\d:\d\d:\d\d\.\d{3}) --> (\d\d:\d\d:\d\d\.\d{3})\n(.+)$", vtt, re.M)
+    assert vtt.startswith("WEBVTT\n\n") and [c[0] for c in cues] == ["1", "2"], vtt
+    assert "00:00:00.200" <= cues[0][1] < cues[0][2] <= cues[1][1] < cues[1][2] <= "00:00:08.000", vtt
+    assert [c[3] for c in cues] == finals, vtt
+
+    screenshot(browser, tmp_path / "caption-page.png")
+
+    page.click_start()  # stop
+    page.wait(lambda: page.status()[0].startswith("Stopped"), 10, "stopped")
+    assert page.element("start").text == "Start" and page.finals() == finals
+    page.wait(lambda: active_sessions(server) == 0, 10, "the server's session closed")
+
+
+@needs_espeak
+def test_tokens_a_wrong_one_is_refused_the_right_one_captions_and_a_server_going_away_is_shown(browser, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"carol {TOKEN}\n")
+    with http_server(tokens) as secured:
+        page = Page(browser, secured.http_url)
+        page.click_start()
+        assert "needs an access token" in page.wait_error()
+        page.element("token").send_keys("wrong-token-0123456789abcdef")
+        page.click_start()
+        refused = page.wait_error()
+        assert "refused the access token" in refused and "not known" in refused, refused
+        assert page.element("start").text == "Start" and active_sessions(secured, TOKEN) == 0
+
+        page = Page(browser, secured.http_url)  # the token field is kept for the tab
+        assert page.element("token").get_attribute("value") == "wrong-token-0123456789abcdef"
+        page.element("token").clear()
+        page.element("token").send_keys(TOKEN)
+        page.click_start()
+        page.wait(lambda: heard(" ".join(page.finals())), WAIT_CAPTIONS_S, "the sentence, with the token")
+        assert active_sessions(secured, TOKEN) == 1
+    # The server has stopped under the open page: its WebSocket closed with "going away".
+    gone = page.wait_error(10)
+    assert "closed the connection" in gone and "1001" in gone and "shutting down" in gone, gone
+    assert page.element("start").text == "Start"
+    page.click_start()
+    assert "unreachable" in page.wait_error(), page.status()
+
+
+def test_a_refused_microphone_is_explained(denying_browser, server):
+    page = Page(denying_browser, server.http_url)
+    page.click_start()
+    message = page.wait_error()
+    assert "Microphone access was refused" in message and "Start again" in message, message
+    assert page.element("start").text == "Start" and active_sessions(server) == 0
+
+
+def tone_gains(driver: webdriver.Chrome, from_hz: int, to_hz: int, tones_hz: list[int]) -> dict[str, list]:
+    """Each tone (1 s at ``from_hz``, in 128-sample blocks as the worklet gets them) through the page's
+    resampler: its amplitude at ``to_hz``, the number of samples out, and output samples 2000-2399."""
+    return driver.execute_async_script(
+        """
+        const [fromHz, toHz, tones, done] = arguments;
+        import(new URL("static/resampler.js", location.href).href).then(({ Resampler }) => {
+          const result = {};
+          for (const hz of tones) {
+            const resampler = new Resampler(fromHz, toHz);
+            const out = [];
+            for (let i = 0; i < fromHz; i += 128) {
+              const block = new Float32Array(128).map((_, j) => Math.sin((2 * Math.PI * hz * (i + j)) / fromHz));
+              out.push(...resampler.process(block));
+            }
+            const tail = out.slice(Math.round(toHz / 10)); // past the filter's start-up
+            const rms = Math.sqrt(tail.reduce((sum, x) => sum + x * x, 0) / tail.length);
+            result[hz] = [rms * Math.SQRT2, out.length, out.slice(2000, 2400)];
+          }
+          done(result);
+        }, (err) => done({ error: String(err) }));
+        """,
+        from_hz,
+        to_hz,
+        tones_hz,
+    )
+
+
+def test_the_worklets_resampler_keeps_speech_and_rejects_aliases(denying_browser, server):
+    browser = denying_browser
+    Page(browser, server.http_url)
+    for from_hz in (48000, 44100):
+        passband, stopband = [300, 1000, 3000, 6000], [8800, 12000, 15000, 20000]
+        gains = tone_gains(browser, from_hz, 16000, passband + stopband)
+        assert "error" not in gains, gains
+        for hz in passband:
+            gain, count, wave_out = gains[str(hz)]
+            assert abs(20 * math.log10(gain)) < 1.0, (from_hz, hz, gain)
+            assert abs(count - 16000) <= 100, count  # 1 s in, 1 s out (less the filter's half-width)
+            # The same tone, in time with the input: output n is at n / 16000 s.
+            samples = np.array(wave_out)
+            expected = np.sin(2 * np.pi * hz * (2000 + np.arange(len(samples))) / 16000)
+            assert np.abs(expected - samples).max() < 0.15, (from_hz, hz)
+        for hz in stopband:
+            gain = gains[str(hz)][0]
+            assert 20 * math.log10(max(gain, 1e-9)) < -50, (from_hz, hz, gain)
+    same = tone_gains(browser, 16000, 16000, [1000])
+    assert abs(same["1000"][0] - 1) < 0.01 and same["1000"][1] == 16000
