@@ -1,8 +1,10 @@
-# Two entry points on a fresh machine: `make serve` and `make test`.
+# Two entry points on a fresh machine: `make serve` and `make test`. Each install step prints one line; pip's
+# and apt's output go to build/logs/, and the end of the log is shown if a step fails.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+comma := ,
 # System packages the tests use: speech synthesis, PulseAudio + PortAudio (mic client), SIP and RTP peers,
 # a headless browser (the captioning page).
 APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasound2-plugins \
@@ -11,8 +13,16 @@ APT_PACKAGES := espeak-ng sox pulseaudio pulseaudio-utils libportaudio2 libasoun
 
 .PHONY: serve test lint protos install install-dev system-deps gpu-rehearsal clean
 
+LOGS := build/logs
+# $(call logged,WHAT,LOG,COMMANDS): one line saying WHAT; the output of COMMANDS to LOG, its end shown on failure.
+logged = mkdir -p $(LOGS); echo "$(1) (log: $(2))"; echo "=== $$(date -Is) $(1)" >>$(2); \
+	{ $(3); } >>$(2) 2>&1 || { echo "failed: $(1); the end of $(2):"; tail -n 30 $(2); exit 1; }
+PIP_FLAGS := --progress-bar off --no-input
+
 serve: install
-	$(VENV)/bin/cosystream serve $(ARGS)
+	@echo "cosystream serve (Ctrl-C stops it); in another terminal: . $(VENV)/bin/activate, then e.g." \
+	  "cosystream transcribe FILE.wav --server localhost:50051 (README.md)"
+	@$(VENV)/bin/cosystream serve $(ARGS)
 
 test: install-dev system-deps
 	$(PY) -m pytest -q $(ARGS)
@@ -33,26 +43,31 @@ protos: install-dev
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# The CPU build of torch first, so that the package's loose `torch>=2.4` is already met.
 $(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	# The CPU build of torch first, so that the package's loose `torch>=2.4` is already met.
-	$(PIP) install -q torch==2.13.0
+	@$(call logged,creating $(VENV) with the CPU build of torch 2.13,$(LOGS)/install.log, \
+	  $(PYTHON) -m venv $(VENV) && $(PIP) install $(PIP_FLAGS) --upgrade pip && $(PIP) install $(PIP_FLAGS) torch==2.13.0)
 
+# The server with the Google/Riva protocols (compat) and what the programs in clients/ need (clients).
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
-	$(PIP) install -q -e .
-	touch $@
+	@$(call logged,installing cosystream[compat$(comma)clients] into $(VENV),$(LOGS)/install.log, \
+	  $(PIP) install $(PIP_FLAGS) -e '.[compat$(comma)clients]')
+	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) install -q -e '.[dev]'
-	touch $@
+	@$(call logged,installing the test and development tools (cosystream[dev]),$(LOGS)/install.log, \
+	  $(PIP) install $(PIP_FLAGS) -e '.[dev]')
+	@touch $@
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	  else echo "missing system packages:$$missing (tests that need them are skipped); as root: apt-get install$$missing"; fi; \
-	fi
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "missing system packages:$$missing (tests that need them are skipped); as root: apt-get install$$missing"; \
+	  exit 0; \
+	fi; \
+	$(call logged,apt-get install$$missing,$(LOGS)/apt.log, \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y$$missing)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -32,20 +32,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import grpc
-import numpy as np
+try:
+    import grpc
+    import numpy as np
 
-from cosystream.v1 import cosystream_pb2 as pb
-from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import (
-    Connection,
-    StreamStatus,
-    add_connection_args,
-    connection_from_args,
-    describe_error,
-    read_wav,
-    server_address,
-)
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+    from cosystream.v1.client import (
+        Connection,
+        StreamStatus,
+        add_connection_args,
+        connection_from_args,
+        describe_error,
+        read_wav,
+        server_address,
+    )
+except ModuleNotFoundError as err:  # not the Python cosystream is installed in: say which, not a traceback
+    sys.exit(
+        f"caption: {err}: run it with cosystream's Python (`. .venv/bin/activate` in the checkout, made by"
+        " `make serve`), or install it there: pip install -e '.[clients]'"
+    )
 
 MIC_RATE_HZ = 16000
 BLOCK_MS = 10

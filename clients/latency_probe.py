@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import re
@@ -36,20 +37,26 @@ import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-import numpy as np
+try:
+    import grpc
+    import numpy as np
 
-from cosystream.v1 import client
-from cosystream.v1 import cosystream_pb2 as pb
-from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import (
-    Connection,
-    StreamStatus,
-    add_connection_args,
-    connection_from_args,
-    describe_error,
-    server_address,
-)
+    from cosystream.v1 import client
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+    from cosystream.v1.client import (
+        Connection,
+        StreamStatus,
+        add_connection_args,
+        connection_from_args,
+        describe_error,
+        server_address,
+    )
+except ModuleNotFoundError as err:  # not the Python cosystream is installed in: say which, not a traceback
+    sys.exit(
+        f"latency_probe: {err}: run it with cosystream's Python (`. .venv/bin/activate` in the checkout, made by"
+        " `make serve`), or install it there: pip install -e '.[clients]'"
+    )
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -465,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.processes < 1:
         sys.exit("latency_probe: --processes must be >= 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
+        sys.exit(
+            "latency_probe: --plot needs matplotlib: pip install matplotlib (in the checkout: pip install -e '.[clients]')"
+        )
     audio = load_wavs(args.wav) if args.wav else synthesize()
     if args.save_wav:
         write_wav(args.save_wav, audio.samples)

@@ -10,6 +10,7 @@ import json
 import logging
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,6 +31,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str, fmt: str = "text") -> None:
+    """Every record at ``level`` (one of ``LEVELS``, any case) or above to stderr, as text or JSON lines; the
+    processes a server starts are handed the same two settings."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()

@@ -17,6 +17,7 @@ import tempfile
 
 from cosystream import __version__
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
+from cosystream.logs import LEVELS as LOG_LEVELS
 from cosystream.logs import configure as configure_logs
 from cosystream.v1.client import add_connection_args, connection_from_args
 
@@ -77,16 +78,49 @@ def check_port_free(host: str, port: int) -> None:
         return
 
 
+def add_log_args(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        help="default: $COSYSTREAM_LOG_LEVEL, else INFO for serve and WARNING for transcribe and eval (their "
+        "output is their results)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=default,
+        help="default: $COSYSTREAM_LOG_FORMAT, else text",
+    )
+
+
+def log_settings(args: argparse.Namespace) -> tuple[str, str]:
+    """The log level and format: the flags, else the environment, else the command's default."""
+    level = (
+        args.log_level
+        or os.environ.get("COSYSTREAM_LOG_LEVEL")
+        or ("INFO" if args.command == "serve" else "WARNING")
+    )
+    fmt = args.log_format or os.environ.get("COSYSTREAM_LOG_FORMAT") or "text"
+    if level.upper() not in LOG_LEVELS:
+        sys.exit(f"cosystream: COSYSTREAM_LOG_LEVEL={level}: use one of {', '.join(LOG_LEVELS)}")
+    if fmt not in ("text", "json"):
+        sys.exit(f"cosystream: COSYSTREAM_LOG_FORMAT={fmt}: use text or json")
+    return level.upper(), fmt
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosystream", description="A real-time streaming speech engine.")
     parser.add_argument("--version", action="version", version=f"cosystream {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("COSYSTREAM_LOG_LEVEL", "INFO"))
-    parser.add_argument(
-        "--log-format", choices=["text", "json"], default=os.environ.get("COSYSTREAM_LOG_FORMAT", "text")
-    )
+    add_log_args(parser, default=None)
+    # The same flags after the command name too (`cosystream transcribe FILE --log-level info`); given there,
+    # they win over the ones before it.
+    after_command = argparse.ArgumentParser(add_help=False)
+    add_log_args(after_command, default=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the gRPC server")
+    serve = commands.add_parser("serve", help="run the gRPC server", parents=[after_command])
     serve.add_argument("--host", default=None, help="address to listen on (default: every interface)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default: 50051)")
     serve.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics; 0 disables")
@@ -175,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_decoder_args(serve)
 
-    transcribe = commands.add_parser("transcribe", help="transcribe a WAV file")
+    transcribe = commands.add_parser("transcribe", help="transcribe a WAV file", parents=[after_command])
     transcribe.add_argument("file")
     transcribe.add_argument("--server", default=None, help="host:port of a running server (default: in-process)")
     transcribe.add_argument("--realtime", action="store_true", help="pace the audio at real time (REALTIME)")
@@ -183,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("--words", action="store_true", help="print word time offsets")
     add_connection_args(transcribe)
 
-    evaluate = commands.add_parser("eval", help="WER, CER and real-time factor on a test set")
+    evaluate = commands.add_parser(
+        "eval", help="WER, CER and real-time factor on a test set", parents=[after_command]
+    )
     evaluate.add_argument("test_set", help="a directory of NAME.wav + NAME.txt, or a JSONL manifest")
     evaluate.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     evaluate.add_argument("--telephone", action="store_true", help="through an 8 kHz mu-law round trip first")
@@ -202,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.log_level, args.log_format = log_settings(args)
     configure_logs(args.log_level, args.log_format)
     if args.command == "serve":
         return serve(args)

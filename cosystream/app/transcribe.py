@@ -70,7 +70,19 @@ def stream_file(
     connection: Connection | None = None,
 ):
     """Yield the server's responses for ``path`` (``connection``: TLS and token; default plaintext)."""
-    samples, rate = read_wav(path)
+    yield from stream_samples(address, *read_wav(path), realtime, interim, words, connection)
+
+
+def stream_samples(
+    address: str,
+    samples: np.ndarray,
+    rate: int,
+    realtime: bool = False,
+    interim: bool = False,
+    words: bool = False,
+    connection: Connection | None = None,
+):
+    """Yield the server's responses for int16 ``samples`` at ``rate`` Hz."""
     with (connection or Connection()).channel(address) as channel:
         stub = pb_grpc.CosyStreamStub(channel)
         yield from stub.StreamingRecognize(requests(samples, rate, realtime, interim, words))
@@ -92,16 +104,18 @@ def transcribe_command(
     words: bool = False,
     connection: Connection | None = None,
 ) -> int:
-    """``cosystream transcribe``: the file's finals (and interims) printed; 1 with the reason on failure."""
+    """``cosystream transcribe``: the file's finals (and interims) printed, nothing else on stdout (logs go to
+    stderr, and only warnings unless ``--log-level`` says more); 1 with the reason on failure."""
     server = None
     address = None if server_at is None else server_address(server_at)
     try:
+        samples, rate = read_wav(path)  # before an in-process engine is started for it: a bad file fails at once
         if address is None:
             from cosystream.app.local import LocalServer
 
             server = LocalServer().start()
             address = server.address
-        for response in stream_file(address, path, realtime, interim, words, connection):
+        for response in stream_samples(address, samples, rate, realtime, interim, words, connection):
             for result in response.results:
                 if result.is_final or interim:
                     print(format_result(result, words), flush=True)
