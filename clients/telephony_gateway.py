@@ -25,9 +25,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `clients` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
-from clients.telephony.config import LOOPBACK, parse_networks, parse_port_range
-from cosystream.v1.client import Connection, add_connection_args, connection_from_args, server_address
+try:
+    from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
+    from clients.telephony.config import LOOPBACK, parse_networks, parse_port_range
+    from cosystream.v1.client import Connection, add_connection_args, connection_from_args, server_address
+except ModuleNotFoundError as err:  # not the Python cosystream is installed in: say which, not a traceback
+    sys.exit(
+        f"telephony_gateway: {err}: run it with cosystream's Python (`. .venv/bin/activate` in the checkout, "
+        "made by `make serve`), or install it there: pip install -e '.[clients]'"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
