@@ -48,6 +48,13 @@ def _metrics() -> dict:
     TOKEN_REFUSED = Counter(
         "cosystream_token_refused_sessions", "Sessions of a known token refused, by reason.", ["token", "reason"]
     )
+    # The HTTP port (serve --http-port).
+    HTTP_REQUESTS = Counter(
+        "cosystream_http_requests", "HTTP requests answered, by route and status.", ["route", "status"]
+    )
+    WEBSOCKETS = Gauge(
+        "cosystream_websocket_sessions", "Realtime WebSocket connections open.", multiprocess_mode="livesum"
+    )
     return dict(locals())
 
 
@@ -106,6 +113,14 @@ class FrontendMetrics:
         self._m["REJECTED"].labels(reason).inc()
         if token is not None:
             self._m["TOKEN_REFUSED"].labels(token, reason).inc()
+
+    def http_request(self, route: str, status: int) -> None:
+        """An HTTP request answered; ``route`` is its route's pattern (``unmatched`` for none)."""
+        self._m["HTTP_REQUESTS"].labels(route, str(status)).inc()
+
+    def websocket(self, opened: bool) -> None:
+        gauge = self._m["WEBSOCKETS"]
+        gauge.inc() if opened else gauge.dec()
 
     def token_session(self, token: str, opened: bool) -> None:
         """A session of ``token`` opened (or, ``opened=False``, ended)."""

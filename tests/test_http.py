@@ -701,3 +701,33 @@ def test_https_with_the_grpc_ports_certificate_reloaded_when_renewed(tmp_path):
         assert http("GET", health, ssl_context=renewed).status_code == 200, "a new connection, the new certificate"
         with pytest.raises(aiohttp.ClientConnectorCertificateError):
             http("GET", health, ssl_context=ssl.create_default_context(cafile=pki.path("ca.pem")))
+
+
+def test_http_requests_and_websockets_are_counted(server, client, two_wav):
+    from prometheus_client import REGISTRY
+
+    def count(route: str, status: int) -> float:
+        labels = {"route": route, "status": str(status)}
+        return REGISTRY.get_sample_value("cosystream_http_requests_total", labels) or 0.0
+
+    before_ok = count("/v1/audio/transcriptions", 200)
+    before_bad = count("/v1/audio/transcriptions", 400)
+    before_unmatched = count("unmatched", 404)
+    client.audio.transcriptions.create(model="whisper-1", file=("s.wav", two_wav))
+    with pytest.raises(openai.BadRequestError):
+        client.audio.transcriptions.create(model="whisper-1", file=("s.txt", b"text, not audio " * 50))
+    http("GET", f"{server.http_url}/no/such/page/{time.time()}")  # (one label for every unknown path)
+
+    async def hold_one():
+        async with websockets.connect(ws_url(server)) as ws:
+            await ws.recv()
+            return REGISTRY.get_sample_value("cosystream_websocket_sessions")
+
+    assert asyncio.run(hold_one()) == 1
+    assert count("/v1/audio/transcriptions", 200) == before_ok + 1
+    assert count("/v1/audio/transcriptions", 400) == before_bad + 1
+    assert count("unmatched", 404) == before_unmatched + 1
+    deadline = time.monotonic() + 5
+    while REGISTRY.get_sample_value("cosystream_websocket_sessions") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert REGISTRY.get_sample_value("cosystream_websocket_sessions") == 0

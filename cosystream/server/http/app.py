@@ -127,6 +127,14 @@ class HttpServer:
     # Middleware: OpenAI's error shape for every error, expected or not.
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        response = await self._answer(request, handler)
+        resource = request.match_info.route.resource
+        self.servicer.metrics.http_request(
+            resource.canonical if resource is not None else "unmatched", response.status
+        )
+        return response
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as err:
@@ -262,11 +270,13 @@ class HttpServer:
         await ws.prepare(request)
         connection = RealtimeConnection(self.servicer, ws, token, beta)
         self.connections.add(connection)
+        self.servicer.metrics.websocket(opened=True)
         started = time.monotonic()
         try:
             await connection.serve()
         finally:
             self.connections.discard(connection)
+            self.servicer.metrics.websocket(opened=False)
             log.info("realtime session %s closed after %.1f s", connection.session_id, time.monotonic() - started)
             with contextlib.suppress(Exception):
                 await ws.close()
