@@ -25,7 +25,7 @@ from openai import AsyncOpenAI, OpenAI
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
 from cosystream.server.frontend import FrontendConfig
-from cosystream.server.http.app import HttpConfig
+from cosystream.server.http import HttpConfig
 from cosystream.server.http.secrets import ClientSecrets
 from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb

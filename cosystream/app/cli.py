@@ -337,7 +337,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
-    from cosystream.server.http.app import HttpConfig
+    from cosystream.server.http import HttpConfig
 
     frontend = FrontendConfig(
         **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),

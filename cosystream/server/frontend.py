@@ -26,7 +26,7 @@ from cosystream.metrics import FrontendMetrics
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
 from cosystream.server.engine_client import Engine, EngineClient
-from cosystream.server.http.app import HttpConfig, HttpServer
+from cosystream.server.http import HttpConfig
 from cosystream.server.quota import TokenSessions
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
 from cosystream.server.tls import ReloadingCredentials, TlsConfig
@@ -73,7 +73,7 @@ class Frontend:
         self.engine = engine if engine is not None else EngineClient(engine_address, authkey)
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
-        self.http: HttpServer | None = None
+        self.http = None  # the HttpServer, when config.http is set
         self.health = health.aio.HealthServicer()
         self.port = config.port
         self.draining = False
@@ -152,6 +152,8 @@ class Frontend:
         self._services = ("", SERVICE_NAME, *compat_services)
         await self.server.start()
         if self.config.http is not None:
+            from cosystream.server.http.app import HttpServer
+
             self.http = HttpServer(
                 self.config.http, self.servicer, self.tokens, self.config.tls, lambda: self.serving
             )

@@ -25,12 +25,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
 from cosystream.server.auth import AuthError, Token, TokenStore
+from cosystream.server.http import HttpConfig
 from cosystream.server.http.errors import ApiError
 from cosystream.server.http.realtime import RealtimeConnection
 from cosystream.server.http.secrets import DEFAULT_TTL_S, MAX_TTL_S, MIN_TTL_S, ClientSecrets, SecretRefused
@@ -43,13 +43,6 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).with_name("static")
 SECRET_PROTOCOL = "openai-insecure-api-key."
 MAX_EVENT_BYTES = 16 << 20  # one WebSocket message (OpenAI takes appends of up to 15 MiB)
-
-
-@dataclass(frozen=True, slots=True)
-class HttpConfig:
-    host: str = "0.0.0.0"
-    port: int = 0  # 0: any free port
-    max_upload_bytes: int = 25 << 20  # a larger file is refused with 413 (OpenAI's limit is 25 MB)
 
 
 PAGE_POLICY = "default-src 'self'; img-src 'self' data:; connect-src 'self' blob:; frame-ancestors 'none'"
