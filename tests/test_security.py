@@ -266,7 +266,7 @@ def test_a_bad_token_file_line_is_one_error_naming_file_and_line(tmp_path, line,
 
 def test_the_documented_token_file_parses():
     doc = (ROOT / "docs" / "SECURITY.md").read_text()
-    example = re.search(r"`--auth-tokens FILE`.*?```\n(.*?)```", doc, re.S).group(1)
+    example = re.search(r"`--auth-tokens FILE`.*?```\w*\n(.*?)```", doc, re.S).group(1)
     tokens = {t.name: t for t in parse_tokens(example, "docs/SECURITY.md")}
     assert tokens["backfill"].priorities == {"BATCH"} and tokens["backfill"].max_sessions == 8
     assert tokens["ops"].admin and tokens["captions"].max_sessions == 50
