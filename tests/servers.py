@@ -39,7 +39,8 @@ def serve_argv(*args: str) -> list[str]:
 def local_server(
     max_sessions: int = 8, max_message_bytes: int = 16 << 20, idle_timeout_s: float = 3.0, **process_kwargs
 ) -> Iterator[LocalServer]:
-    """``process_kwargs``: ``decoder=DecoderConfig(...)`` and more ``EngineProcessConfig`` fields."""
+    """``process_kwargs``: ``decoder=DecoderConfig(...)``, the models (``model_path=DIR``, or ``models=[...]``,
+    the first the default: see ``LocalServer``) and more ``EngineProcessConfig`` fields."""
     frontend = FrontendConfig(
         host="127.0.0.1",
         port=0,
@@ -68,10 +69,10 @@ def local_server_with(
 class HeldStream:
     """A stream that stays open until released (or cancelled)."""
 
-    def __init__(self, stub, priority=pb.REALTIME):
+    def __init__(self, stub, priority=pb.REALTIME, model: str = ""):
         self.release = threading.Event()
         self.first = pb.StreamingRecognizeRequest(
-            config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000, priority=priority)
+            config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000, priority=priority, model=model)
         )
         self.call = stub.StreamingRecognize(self._requests(), timeout=60)
         self.collected: list = []

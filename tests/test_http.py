@@ -257,7 +257,7 @@ def test_errors_are_in_openais_shape_and_map_to_its_exceptions(client, server, t
 
 
 def test_models_health_and_the_page(client, server):
-    assert [m.id for m in client.models.list()] == [server.frontend.servicer.info.model_name]
+    assert [m.id for m in client.models.list()] == [m.name for m in server.frontend.servicer.info.models]
     assert http("GET", f"{server.http_url}/health").json() == {"status": "SERVING"}
     page = http("GET", f"{server.http_url}/")
     assert page.status_code == 200 and "<html" in page.text.lower()

@@ -47,6 +47,11 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
 
 def decoder_config(args: argparse.Namespace):
     """The decoder the arguments ask for, resolved against the model (ValueError if it cannot be had)."""
+    return decoder_request(args).resolve(args.model)
+
+
+def decoder_request(args: argparse.Namespace):
+    """The decoder the arguments ask for, before it is resolved against a model (ValueError for bad flags)."""
     from cosystream.decoding.beam import BeamConfig
     from cosystream.decoding.config import DecoderConfig
 
@@ -58,7 +63,39 @@ def decoder_config(args: argparse.Namespace):
     beam = dataclasses.replace(BeamConfig(), **overrides)
     if beam.beam_size < 1:
         raise ValueError("--beam-size must be >= 1")
-    return DecoderConfig(args.decoder, args.lm, beam).resolve(args.model)
+    return DecoderConfig(args.decoder, args.lm, beam)
+
+
+def parse_model_arg(value: str) -> tuple[str | None, str]:
+    """``--model [NAME=]DIR`` -> (NAME or None, DIR); a DIR with "=" in it needs a NAME= before it."""
+    name, sep, path = value.partition("=")
+    if not sep or "/" in name:
+        return None, value
+    if not name:
+        raise argparse.ArgumentTypeError(f"{value!r}: the name before '=' is empty")
+    return name, path
+
+
+def served_models(args: argparse.Namespace):
+    """The ``--model`` flags as the served models, the first the default (ValueError, one line, if not)."""
+    from cosystream.models.loading import model_sources
+
+    for _, path in args.model:
+        if not os.path.isdir(path):
+            raise ValueError(f"--model {path}: no such directory (a model directory: docs/MODELS.md)")
+    return model_sources(args.model)
+
+
+def model_decoders(decoder, models) -> tuple:
+    """``decoder`` resolved against each served model: ``((name, DecoderConfig), ...)``. A model it does not
+    fit (a phoneme model without a language model, ...) is a ValueError naming the model."""
+    resolved = []
+    for model in models:
+        try:
+            resolved.append((model.name, decoder.resolve(model.path)))
+        except ValueError as err:
+            raise ValueError(f"model {model.name}: {err}" if len(models) > 1 else str(err)) from None
+    return tuple(resolved)
 
 
 def given(**flags):
@@ -144,7 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS)
     serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
-    serve.add_argument("--model", default=None, help="model directory (default: the embedded English model)")
+    serve.add_argument(
+        "--model",
+        action="append",
+        type=parse_model_arg,
+        default=[],
+        metavar="[NAME=]DIR",
+        help="a model directory to serve, named NAME (default: the name in its config.json); repeat it to "
+        "serve several, the first being the default (default: the embedded English model)",
+    )
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
     serve.add_argument(
@@ -284,8 +329,10 @@ def security_config(args: argparse.Namespace):
 def serve(args: argparse.Namespace) -> int:
     if args.frontends < 1:
         sys.exit("--frontends must be >= 1")
-    if args.model is not None and not os.path.isdir(args.model):
-        sys.exit(f"cosystream serve: --model {args.model}: no such directory (a model directory: docs/MODELS.md)")
+    try:
+        args.models = served_models(args)
+    except (OSError, ValueError) as err:
+        sys.exit(f"cosystream serve: {err}")
     run_dir = tempfile.mkdtemp(prefix="cosystream-")
     try:
         return _serve(args, run_dir)
@@ -319,20 +366,24 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
         )
-        decoder = decoder_config(args)
+        decoder = decoder_request(args)
+        decoders = model_decoders(decoder, args.models)
         tls, auth_tokens = security_config(args)
-        engine = dataclasses.replace(engine, top_k=decoder.top_k)  # the candidates per frame the decoder reads
-        if decoder.kind == "beam":
+        # The candidates per frame the decoders read (the most any reads: the others read fewer of them).
+        engine = dataclasses.replace(engine, top_k=max(d.top_k for _, d in decoders))
+        lms = {d.lm_path for _, d in decoders if d.kind == "beam"}
+        if lms:
             from cosystream.decoding.lm import NgramLm
 
-            NgramLm.load(decoder.lm_path)  # fail here, with a message, rather than in every frontend
+            for lm in sorted(lms):
+                NgramLm.load(lm)  # fail here, with a message, rather than in every frontend
     except (OSError, EOFError, ValueError) as err:
         sys.exit(f"cosystream serve: {err}")
     process = EngineProcessConfig(
         address=os.path.join(run_dir, "engine.sock"),
         authkey=os.urandom(16),
         engine=engine,
-        model_path=args.model,
+        models=args.models,
         device=args.device,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
@@ -357,6 +408,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             default_endpointing=endpointing,
             frontends=args.frontends,
             decoder=decoder,
+            decoders=decoders,
         ),
     )
     restarts = RestartPolicy(**given(max_failures=args.max_failures, window_s=args.restart_window_s))

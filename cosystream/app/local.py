@@ -11,34 +11,51 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from cosystream.decoding.config import DecoderConfig
 from cosystream.engine.core import EngineConfig
 from cosystream.engine.process import EngineHandle, EngineProcessConfig, start_engine
+from cosystream.models.loading import model_sources
 from cosystream.server.frontend import Frontend, FrontendConfig
 
 
 class LocalServer:
     def __init__(
-        self, frontend_config: FrontendConfig | None = None, decoder: DecoderConfig | None = None, **engine_kwargs
+        self,
+        frontend_config: FrontendConfig | None = None,
+        decoder: DecoderConfig | None = None,
+        model_path: str | None = None,
+        models: Sequence[str | os.PathLike | tuple[str | None, str | None] | None] = (),
+        **engine_kwargs,
     ):
-        """``engine_kwargs`` are ``EngineProcessConfig`` fields (``engine=EngineConfig(...)``, ``model_path``...).
-        ``decoder`` (default ``auto``) is resolved against the model; the engine sends the candidates per frame
-        it reads."""
+        """``engine_kwargs`` are more ``EngineProcessConfig`` fields (``engine=EngineConfig(...)``...).
+        ``models``: the models to serve, the first the default, each a directory or a ``(name, directory)``
+        pair (a None name: the model's own; a None directory: the embedded model); ``model_path``: one model
+        directory; neither: the embedded model. ``decoder`` (default ``auto``) is resolved against each model;
+        the engine sends the most candidates per frame any of them reads."""
         self._tmp = tempfile.TemporaryDirectory(prefix="cosystream-")
         engine_kwargs.setdefault("log_level", logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-        decoder = (decoder or DecoderConfig()).resolve(engine_kwargs.get("model_path"))
-        engine = dataclasses.replace(engine_kwargs.pop("engine", EngineConfig()), top_k=decoder.top_k)
+        if model_path is not None:
+            models = (model_path, *models)
+        sources = model_sources(
+            m if isinstance(m, tuple) else (None, None if m is None else str(m)) for m in models
+        )
+        decoder = decoder or DecoderConfig()
+        decoders = tuple((source.name, decoder.resolve(source.path)) for source in sources)
+        top_k = max(resolved.top_k for _, resolved in decoders)
+        engine = dataclasses.replace(engine_kwargs.pop("engine", EngineConfig()), top_k=top_k)
         process_config = EngineProcessConfig(
             address=str(Path(self._tmp.name) / "engine.sock"),
             authkey=os.urandom(16),
             engine=engine,
+            models=sources,
             **engine_kwargs,
         )
         self.process_config = process_config
         frontend_config = frontend_config or FrontendConfig(host="127.0.0.1", port=0)
-        stream = dataclasses.replace(frontend_config.stream, decoder=decoder)
+        stream = dataclasses.replace(frontend_config.stream, decoder=decoders[0][1], decoders=decoders)
         self.frontend_config = dataclasses.replace(frontend_config, stream=stream)
         self.engine: EngineHandle | None = None
         self.frontend: Frontend | None = None

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from cosystream.engine.ipc import EngineInfo
-from cosystream.engine.process import server_info
+from cosystream.engine.process import model_info, server_info
 from cosystream.engine.scheduler import Priority
-from cosystream.models import load_model
+from cosystream.models import ModelSource, load_model
 from cosystream.runtime.runner import GraphMode
 from cosystream.server.engine_client import SessionSink
 
@@ -24,12 +24,14 @@ from cosystream.server.engine_client import SessionSink
 class NaiveEngine:
     """Implements ``engine_client.Engine`` (what the servicer and sessions use), stepping the model inline."""
 
-    def __init__(self, model_path: str | None, max_sessions: int, top_k: int = 1):
+    def __init__(self, source: ModelSource | None, max_sessions: int, top_k: int = 1):
+        """``source``: the one model it serves (None: the embedded one)."""
         torch.set_num_threads(1)
-        self.model = load_model(model_path)
+        self.model = load_model(None if source is None else source.path)
         self.max_sessions = max_sessions
         self.top_k = min(top_k, len(self.model.vocabulary))
-        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, self.top_k)
+        info = model_info(self.model, source)
+        self.info = server_info(self.model, torch.device("cpu"), max_sessions, GraphMode.EAGER, self.top_k, [info])
         self.connected = False
         self.on_change = None
         self._listening = 0
@@ -63,7 +65,10 @@ class NaiveEngine:
     def active_sessions(self) -> int:
         return len(self._sinks)
 
-    def open(self, key: int, priority: Priority, sink: SessionSink) -> None:
+    def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
+        if model != 0:  # (the servicer only names models its HELLO listed: one here)
+            self._loop.call_soon(sink.on_refused, f"no model {model} in this engine", False)
+            return
         if len(self._sinks) >= self.max_sessions:
             self._loop.call_soon(sink.on_refused, f"all {self.max_sessions} session slots are in use", False)
             return

@@ -168,7 +168,12 @@ class Supervisor:
         """One process, the model called per chunk as it arrives: the benchmarks' baseline."""
         from cosystream.app.naive import NaiveEngine
 
-        engine = NaiveEngine(self.process.model_path, self.process.engine.max_sessions, self.process.engine.top_k)
+        models = self.process.models
+        if len(models) > 1:
+            raise ServeError("--naive serves one model: give one --model")
+        engine = NaiveEngine(
+            models[0] if models else None, self.process.engine.max_sessions, self.process.engine.top_k
+        )
         frontend = Frontend(self.frontend_config, "", b"", engine=engine, token_sessions=self._token_sessions(0))
         port = await frontend.start()
         log.info("cosystream serving on port %d with 1 frontend(s) (naive mode: no engine, no batching)", port)

@@ -9,7 +9,7 @@ flashlight when installed) runs the compiled
 decoding time at the same WER, but worse end to end so far); :attr:`DecoderConfig.search` chooses. A model whose tokens are
 phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search spells words by it, and
 ``greedy`` is refused (it would print phonemes; ``--beam-size`` is the way to a cheaper search). The
-application resolves the choice once against the model and hands it to the frontends; the engine is only
+application resolves the choice once per served model and hands them to the frontends; the engine is only
 told :attr:`DecoderConfig.top_k`, the token candidates per frame to send.
 """
 
@@ -28,12 +28,11 @@ from cosystream.decoding.greedy import CtcDecoder
 from cosystream.decoding.lexicon import Lexicon, read_spellings
 from cosystream.decoding.lm import NgramLm
 from cosystream.frames import FRAME_MS
-from cosystream.models.loading import DEFAULT_MODEL_DIR
+from cosystream.models.loading import DEFAULT_MODEL_DIR, LEXICON_FILE
 
 log = logging.getLogger(__name__)
 
 LM_FILE = "lm.arpa.gz"
-LEXICON_FILE = "lexicon.tsv.gz"
 DECODERS = ("auto", "greedy", "beam")
 SEARCHES = ("auto", "flashlight", "python")  # which beam search: auto is flashlight when it is installed
 BEAM_TOP_K = 8  # token candidates per frame the engine sends for beam search

@@ -1,14 +1,20 @@
-"""The engine core: sessions' slots, their queued frames, the scheduler and the runner, in one loop.
+"""The engine core: sessions' slots, their queued frames, the scheduler and the runners, in one loop.
 
 It runs in the engine process (``engine/process.py``), single-threaded, and knows nothing of gRPC.
 ``handle()`` applies what a frontend sent; ``step()`` runs one scheduled model step and files the
 per-frame results into that frontend's outbox; ``take_outbox()`` returns one message per frontend.
+
+The core may hold several models (the first is the default): each has its own state slab and runner.
+Slots are numbered across all models (``max_sessions`` is the capacity of the whole engine) and a session
+keeps the same row in its model's slab, so a step of one model's rows hands the scheduler's slots straight
+to that model's runner.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,29 +80,32 @@ class StepObserver(Protocol):
 class EngineCore:
     def __init__(
         self,
-        model: torch.nn.Module,
+        models: torch.nn.Module | Sequence[torch.nn.Module],
         config: EngineConfig,
         device: torch.device,
         metrics: StepObserver | None = None,
     ):
-        self.model = model
+        """``models``: one model, or several (sessions name one by its index; 0 is the default)."""
+        self.models = [models] if isinstance(models, torch.nn.Module) else list(models)
+        if not self.models:
+            raise ValueError("the engine needs at least one model")
         self.config = config
         self.device = device
         self.metrics = metrics
-        self.slab = StateSlab(model.cache_specs(), config.max_sessions, device=device)
-        self.runner = Runner(
-            model,
-            self.slab,
-            RunnerConfig(
-                max_batch=config.max_batch,
-                frame_buckets=config.frame_buckets,
-                graph_mode=config.graph_mode,
-                top_k=config.top_k,
-            ),
+        runner_config = RunnerConfig(
+            max_batch=config.max_batch,
+            frame_buckets=config.frame_buckets,
+            graph_mode=config.graph_mode,
+            top_k=config.top_k,
         )
+        # Every slab has a row per engine slot: a session may be on any model.
+        self.slabs = [StateSlab(m.cache_specs(), config.max_sessions, device=device) for m in self.models]
+        self.runners = [Runner(m, slab, runner_config) for m, slab in zip(self.models, self.slabs, strict=True)]
+        self.model, self.slab, self.runner = self.models[0], self.slabs[0], self.runners[0]  # the default's
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_sessions=config.max_sessions,
+                models=len(self.models),
                 max_batch=self.runner.max_rows,
                 frame_buckets=config.frame_buckets,
                 row_buckets=self.runner.batch_buckets,
@@ -109,6 +118,9 @@ class EngineCore:
         self.queue = FrameQueue(config.max_sessions, config.queue_frames, max(config.frame_buckets))
         self._owner: list[tuple[int, int] | None] = [None] * config.max_sessions
         self._priority: list[Priority] = [Priority.REALTIME] * config.max_sessions
+        self._model_of = [0] * config.max_sessions  # each slot's model
+        # Free slots across every model, popped from the end: slot 0 is handed out first.
+        self._free = list(range(config.max_sessions - 1, -1, -1))
         self._slot_of: dict[tuple[int, int], int] = {}
         self._outbox: dict[int, ipc.ToFrontend] = {}
         self._listening: set[int] = set()  # frontends whose gRPC port is open
@@ -123,11 +135,11 @@ class EngineCore:
         for op in message.ops:
             kind, key = op[0], op[1]
             if kind == ipc.OPEN:
-                self._open(frontend, key, Priority(op[2]))
+                self._open(frontend, key, Priority(op[2]), op[3] if len(op) > 3 else 0)
             elif kind == ipc.RESET:
                 slot = self._slot_of.get((frontend, key))
                 if slot is not None:
-                    self.slab.reset(slot)
+                    self.slabs[self._model_of[slot]].reset(slot)
             elif kind == ipc.CLOSE:
                 slot = self._slot_of.pop((frontend, key), None)
                 if slot is not None:
@@ -150,7 +162,10 @@ class EngineCore:
                 self.scheduler.remove(slot)
         self._outbox.pop(frontend, None)
 
-    def _open(self, frontend: int, key: int, priority: Priority) -> None:
+    def _open(self, frontend: int, key: int, priority: Priority, model: int) -> None:
+        if not 0 <= model < len(self.models):  # (frontends check names against the HELLO's models)
+            self._box(frontend).events.append((ipc.REJECTED, key, f"no model {model} in this engine"))
+            return
         try:
             shed = self.scheduler.admit(priority)
         except AdmissionError as err:
@@ -164,17 +179,19 @@ class EngineCore:
             self._box(owner[0]).events.append(
                 (ipc.SHED, owner[1], "a BATCH session was ended to make room for REALTIME sessions; retry later")
             )
-        slot = self.slab.alloc()
-        self.scheduler.add(slot, priority)
+        slot = self._free.pop()  # (admit() made room: there is one)
+        self.scheduler.add(slot, priority, model)
         self._owner[slot] = (frontend, key)
         self._priority[slot] = priority
+        self._model_of[slot] = model
         self._slot_of[(frontend, key)] = slot
         self._box(frontend).events.append((ipc.OPENED, key))
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
         self.queue.clear(slot)
-        self.slab.free(slot)
+        self.slabs[self._model_of[slot]].reset(slot)  # zeroed for the next session on it
+        self._free.append(slot)
 
     def _enqueue(self, slot: int, frames: np.ndarray, arrival_s: float) -> None:
         # Frontends keep fewer frames than the queue holds in flight per session: a frame that does not fit
@@ -199,17 +216,18 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is None:
             return None
+        runner = self.runners[plan.model]
         # Gathered straight into the runner's input buffer: no copy of the step's audio between the two.
-        pcm = self.queue.take(plan.slots, plan.frames, self.runner.input_buffer(plan.rows, plan.frames))
+        pcm = self.queue.take(plan.slots, plan.frames, runner.input_buffer(plan.rows, plan.frames))
         started = time.perf_counter()
-        result = self.runner.run(plan.slots, pcm)
+        result = runner.run(plan.slots, pcm)
         self.update_from_output(plan, result, time.perf_counter() - started)
         return plan
 
     def update_from_output(self, plan: StepPlan, result: StepResult, compute_s: float) -> None:
         """File a step's result back: its cost to the scheduler, each row's tokens to its frontend's outbox,
         the step to the metrics."""
-        self.scheduler.update_cost(plan.rows, plan.frames, compute_s, plan.priority)
+        self.scheduler.update_cost(plan.rows, plan.frames, compute_s, plan.priority, plan.model)
         for row, slot in enumerate(plan.slots):
             frontend, key = self._owner[slot]
             box = self._box(frontend)

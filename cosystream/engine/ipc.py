@@ -27,7 +27,7 @@ from cosystream.models.contract import FRAME_SAMPLES
 class Op(IntEnum):
     """Control ops, frontend -> engine: ``(op, key, ...)`` tuples in ``ToEngine.ops``."""
 
-    OPEN = 0  # (OPEN, key, priority)
+    OPEN = 0  # (OPEN, key, priority, model): model, an index into EngineInfo.models (absent: 0, the default)
     RESET = 1  # (RESET, key): zero the session's model state; sent only when none of its frames is in flight
     CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
     LISTENING = 3  # (LISTENING, 0): this frontend's gRPC port is open (the server is SERVING once all are)
@@ -50,20 +50,63 @@ HELLO, OPENED, REJECTED, SHED, ACTIVE = Event
 
 
 @dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the engine tells each frontend in its HELLO: the model and device (GetServerInfo shows them),
-    its capacity, and ``top_k``, the token candidates it sends per frame (a text decoder reads at most
-    that many). Nothing about text decoding: the frontends choose that."""
+class ModelInfo:
+    """One model the engine runs, as the frontends (and GetServerInfo) see it. ``path`` is its directory
+    (None: the embedded default), where a frontend finds its lexicon and language model."""
 
-    device: str
-    model_name: str
+    name: str
+    version: str  # a hash of its files (cosystream.models.content_version)
+    path: str | None
     language: str
     vocabulary: list[str]
+    vocabulary_kind: str  # letters | phonemes
     parameters: int
     output_delay_frames: int
+    precision: str  # the weights' dtype, e.g. "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine tells each frontend in its HELLO: its models (the first is the default; OPEN names
+    one by its index here) and device (GetServerInfo shows them), its capacity, shared by every model, and
+    ``top_k``, the token candidates it sends per frame (a text decoder reads at most that many). Nothing
+    about text decoding: the frontends choose that."""
+
+    device: str
+    models: tuple[ModelInfo, ...]
     max_sessions: int
     graph_mode: str
     top_k: int
+
+    # The default model's fields, for the code that serves only the default.
+    @property
+    def model_name(self) -> str:
+        return self.models[0].name
+
+    @property
+    def language(self) -> str:
+        return self.models[0].language
+
+    @property
+    def vocabulary(self) -> list[str]:
+        return self.models[0].vocabulary
+
+    @property
+    def parameters(self) -> int:
+        return self.models[0].parameters
+
+    @property
+    def output_delay_frames(self) -> int:
+        return self.models[0].output_delay_frames
+
+    def model_index(self, name: str) -> int | None:
+        """The index of the model named ``name`` ("" or "default": 0), or None when none is."""
+        if name in ("", "default"):
+            return 0
+        for index, model in enumerate(self.models):
+            if model.name == name:
+                return index
+        return None
 
 
 @dataclass(slots=True)

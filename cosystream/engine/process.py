@@ -1,4 +1,4 @@
-"""The engine process: owns the device, the state slab, the scheduler and the runner.
+"""The engine process: owns the device, the models (each with its state slab and runner), the scheduler.
 
 Frontends connect over a Unix socket (``multiprocessing.connection``). The loop: read what arrived
 (without waiting while there is work), run one scheduled step, send each frontend one message with its
@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 
@@ -26,7 +27,8 @@ from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
-from cosystream.runtime.runner import GraphMode
+from cosystream.models.loading import ModelSource, content_version, model_sources, vocabulary_kind
+from cosystream.runtime.runner import GraphMode, Runner
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ class EngineProcessConfig:
     address: str
     authkey: bytes
     engine: EngineConfig = field(default_factory=EngineConfig)
-    model_path: str | None = None
+    # The models to serve, the first the default (``models.model_sources``); empty: the embedded model.
+    models: tuple[ModelSource, ...] = ()
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cpu_threads: int = 1
     log_level: str = "INFO"
@@ -181,6 +184,8 @@ def engine_main(config: EngineProcessConfig, status: Connection) -> None:
 def prepare_engine(config: EngineProcessConfig) -> tuple[EngineProcessConfig, EngineCore, Listener]:
     """Everything that can fail at start-up: the model loaded and warm, the socket bound (a stale socket
     file of a killed engine is replaced)."""
+    if not config.models:
+        config = dataclasses.replace(config, models=model_sources([]))
     core = build_core(config)
     if os.path.exists(config.address):
         os.unlink(config.address)
@@ -201,23 +206,29 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
         log.info("no CUDA device: running eager")
         engine_config = dataclasses.replace(engine_config, graph_mode=GraphMode.EAGER)
     started = time.perf_counter()
-    model = load_model(config.model_path, device=device)
-    core = EngineCore(model, engine_config, device, EngineMetrics())
+    sources = config.models or model_sources([])
+    models = [load_model(source.path, device=device) for source in sources]
+    core = EngineCore(models, engine_config, device, EngineMetrics())
     warm_up(core)
     log.info(
-        "engine ready on %s in %.1f s: %d slots, batch buckets %s, %s",
+        "engine ready on %s in %.1f s: %d slots, batch buckets %s, %s; %s",
         device,
         time.perf_counter() - started,
         engine_config.max_sessions,
         core.runner.batch_buckets,
         engine_config.graph_mode.value,
+        ", ".join(f"model {s.name} ({s.path or 'embedded'})" for s in sources),
     )
     return core
 
 
 def warm_up(core: EngineCore) -> None:
-    """Run every (bucket, T) shape once on the scratch slot, so no first request pays for it."""
-    runner = core.runner
+    """Run every (bucket, T) shape of every model once on its scratch slot, so no first request pays for it."""
+    for runner in core.runners:
+        _warm_up(runner)
+
+
+def _warm_up(runner: Runner) -> None:
     scratch = runner.slab.scratch_slot
     with torch.no_grad():
         for frames in runner.config.frame_buckets:
@@ -227,17 +238,36 @@ def warm_up(core: EngineCore) -> None:
     runner.slab.reset(scratch)
 
 
-def server_info(
-    model: torch.nn.Module, device: torch.device, max_sessions: int, graph_mode: GraphMode, top_k: int
-) -> ipc.EngineInfo:
-    """The engine's HELLO for this model on this device."""
-    return ipc.EngineInfo(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        model_name=model.config.name,
+def model_info(model: torch.nn.Module, source: ModelSource | None = None) -> ipc.ModelInfo:
+    """How ``model``, loaded from ``source`` (None: the embedded model under its own name), is described to
+    the frontends."""
+    source = source or ModelSource(model.config.name, None)
+    weights = next(model.parameters(), None)
+    return ipc.ModelInfo(
+        name=source.name,
+        version=content_version(source.path),
+        path=source.path,
         language=model.config.language,
         vocabulary=list(model.vocabulary),
+        vocabulary_kind=vocabulary_kind(source.path),
         parameters=sum(p.numel() for p in model.parameters()),
         output_delay_frames=output_delay_frames(model),
+        precision="float32" if weights is None else str(weights.dtype).removeprefix("torch."),
+    )
+
+
+def server_info(
+    model: torch.nn.Module,
+    device: torch.device,
+    max_sessions: int,
+    graph_mode: GraphMode,
+    top_k: int,
+    models: Sequence[ipc.ModelInfo] | None = None,
+) -> ipc.EngineInfo:
+    """The engine's HELLO on this device: for ``models`` (the first the default), or for ``model`` alone."""
+    return ipc.EngineInfo(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        models=tuple(models) if models else (model_info(model),),
         max_sessions=max_sessions,
         graph_mode=graph_mode.value,
         top_k=top_k,
@@ -245,8 +275,14 @@ def server_info(
 
 
 def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener, stop: threading.Event) -> None:
+    sources = config.models or model_sources([])
     info = server_info(
-        core.model, core.device, config.engine.max_sessions, core.runner.config.graph_mode, core.runner.top_k
+        core.model,
+        core.device,
+        config.engine.max_sessions,
+        core.runner.config.graph_mode,
+        core.runner.top_k,
+        [model_info(m, s) for m, s in zip(core.models, sources, strict=True)],
     )
     incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
     threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()

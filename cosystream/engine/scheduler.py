@@ -22,7 +22,10 @@ Policy (the scheduler contract in README.md, "How it works"):
   A realtime frame therefore waits behind at most one budget-sized batch step.
 - Round-robin: each class keeps an insertion-ordered set of ready slots; a stepped session that still
   has frames moves to the back, one that was passed over keeps its place at the front.
-- Admission: at most ``max_sessions`` sessions. `admit()` is asked *before* the engine allocates a slot
+- Several models: every session runs on one (``add(slot, priority, model)``); a step's rows are all of one
+  model, so the T-groups above are (model, T) groups, one round-robin over the sessions of every model.
+  Step costs are measured per model. With one model (the usual case) nothing of this costs anything.
+- Admission: at most ``max_sessions`` sessions, of all models together. `admit()` is asked *before* the engine allocates a slot
   (a full engine has no free slot to offer): on a full engine a REALTIME request sheds the most recently
   admitted BATCH session, anything else gets `AdmissionError`.
 
@@ -67,6 +70,7 @@ BATCH_STEP_BUDGET_S = 0.004
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     max_sessions: int = MAX_SESSIONS
+    models: int = 1  # how many models the sessions run on (a step runs one)
     max_batch: int = MAX_SESSIONS  # rows per step
     frame_buckets: tuple[int, ...] = FRAME_BUCKETS  # allowed frames per row (T); must start at 1
     # Rows per step the runner pads to; None: ``batch_buckets(max_batch)``, the runner's own rule.
@@ -98,6 +102,8 @@ class SchedulerConfig:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.models < 1:
+            raise ValueError(f"models must be >= 1, got {self.models}")
         if not buckets or buckets[0] != 1 or any(a >= b for a, b in pairwise(buckets)):
             # Without a bucket of 1 the last frames of a stream could never be stepped.
             raise ValueError(f"frame_buckets must be strictly increasing and start at 1, got {buckets}")
@@ -123,7 +129,8 @@ class AdmissionError(Exception):
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step: run ``slots`` with ``frames`` frames each (the next ones each session has queued)."""
+    """One step: run ``slots`` (sessions of model ``model``) with ``frames`` frames each (the next ones each
+    session has queued)."""
 
     priority: Priority
     frames: int  # T, a frame bucket
@@ -132,6 +139,7 @@ class StepPlan:
     deadline_misses: int  # realtime frames in this step older than deadline_s
     now_s: float  # clock time when the step was planned
     oldest_arrival_s: float
+    model: int = 0
 
     @property
     def rows(self) -> int:
@@ -160,10 +168,11 @@ class SchedulerStats:
 
 
 class _Session:
-    __slots__ = ("pending", "priority", "runs")
+    __slots__ = ("model", "pending", "priority", "runs")
 
-    def __init__(self, priority: Priority) -> None:
+    def __init__(self, priority: Priority, model: int = 0) -> None:
         self.priority = priority
+        self.model = model
         self.pending = 0
         self.runs: deque[tuple[float, int]] = deque()  # (arrival_s, count), oldest first
 
@@ -172,7 +181,7 @@ class Scheduler:
     """Decides, one step at a time, which sessions the engine steps and with how many frames.
 
     Single-threaded: the engine's tick loop makes every call. Engine flow for a new session:
-    ``shed = admit(p)`` (end ``shed`` if any) -> ``slot = slab.alloc()`` -> ``add(slot, p)``.
+    ``shed = admit(p)`` (end ``shed`` if any) -> ``slot = slab.alloc()`` -> ``add(slot, p, model)``.
     """
 
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
@@ -192,9 +201,12 @@ class Scheduler:
         self._rt_frames = [_floor_bucket(c.frame_buckets, n) for n in range(c.realtime_max_frames + 1)]
         self._batch_frames = [_floor_bucket(c.frame_buckets, n) for n in range(c.batch_frames + 1)]
         self._row_buckets = list(c.row_buckets)  # the runner's, handed on
-        self._cost_s: dict[tuple[int, int], float] = {}  # EMA of measured step seconds per (row bucket, T)
-        self._fit: tuple[float, float] | None = None  # (fixed_s, per_row_frame_s) over _cost_s
-        self._fit_dirty = False
+        # Per model: EMA of measured step seconds per (row bucket, T), and (fixed_s, per_row_frame_s) over it.
+        self._cost_s: list[dict[tuple[int, int], float]] = [{} for _ in range(c.models)]
+        self._fit: list[tuple[float, float] | None] = [None] * c.models
+        self._fit_dirty = [False] * c.models
+        # A (model, T) group's key in _schedule_realtime: T + model * _model_stride (just T with one model).
+        self._model_stride = c.realtime_max_frames + 1
 
     # -- sessions ------------------------------------------------------------------------------------
 
@@ -222,14 +234,16 @@ class Scheduler:
         what = "no BATCH session to preempt" if priority == Priority.REALTIME else "BATCH sessions are refused"
         raise AdmissionError("full", f"engine full ({c.max_sessions} sessions active; {what})")
 
-    def add(self, slot: int, priority: Priority) -> None:
-        """Start scheduling a new session on ``slot`` (call `admit` first)."""
+    def add(self, slot: int, priority: Priority, model: int = 0) -> None:
+        """Start scheduling a new session on ``slot``, running on model ``model`` (call `admit` first)."""
         if not 0 <= slot < self.config.max_sessions:
             raise ValueError(f"slot {slot} out of range [0, {self.config.max_sessions})")
         if self._sessions[slot] is not None:
             raise ValueError(f"slot {slot} already has a session")
+        if not 0 <= model < self.config.models:
+            raise ValueError(f"model {model} out of range [0, {self.config.models})")
         priority = Priority(priority)
-        self._sessions[slot] = _Session(priority)
+        self._sessions[slot] = _Session(priority, model)
         self._num_active += 1
         if priority == Priority.BATCH:
             self._batch_admitted[slot] = None
@@ -330,37 +344,49 @@ class Scheduler:
     def _schedule_realtime(self, now: float) -> StepPlan:
         sessions, table, cap = self._sessions, self._rt_frames, self.config.realtime_max_frames
         window = list(islice(self._ready_rt, self.config.max_batch))
-        ts = []
-        for slot in window:
-            p = sessions[slot].pending
-            ts.append(table[p if p < cap else cap])
-        t = ts[0]
-        if ts.count(t) == len(ts):
-            return self._commit(Priority.REALTIME, window, t, now)
-        # Mixed T: the group holding the oldest frame, ties to the larger group.
+        ts = []  # per row, its group: T, or T + model * stride with several models
+        if self.config.models == 1:
+            for slot in window:
+                p = sessions[slot].pending
+                ts.append(table[p if p < cap else cap])
+        else:
+            stride = self._model_stride
+            for slot in window:
+                s = sessions[slot]
+                p = s.pending
+                ts.append(table[p if p < cap else cap] + s.model * stride)
+        group = ts[0]
+        if ts.count(group) == len(ts):
+            model, t = divmod(group, self._model_stride)
+            return self._commit(Priority.REALTIME, window, t, model, now)
+        # Mixed groups: the one holding the oldest frame, ties to the larger group.
         oldest: dict[int, tuple[float, int]] = {}
         for slot, ti in zip(window, ts, strict=True):
             a = sessions[slot].runs[0][0]
             best = oldest.get(ti)
             oldest[ti] = (a, -1) if best is None else (min(best[0], a), best[1] - 1)
-        t = min(oldest, key=oldest.__getitem__)
-        rows = [slot for slot, ti in zip(window, ts, strict=True) if ti == t]
-        return self._commit(Priority.REALTIME, rows, t, now)
+        group = min(oldest, key=oldest.__getitem__)
+        rows = [slot for slot, ti in zip(window, ts, strict=True) if ti == group]
+        model, t = divmod(group, self._model_stride)
+        return self._commit(Priority.REALTIME, rows, t, model, now)
 
     def _schedule_batch(self, now: float) -> StepPlan:
         sessions, table, cap = self._sessions, self._batch_frames, self.config.batch_frames
         ready = self._ready_batch
-        p = sessions[next(iter(ready))].pending
+        head = sessions[next(iter(ready))]
+        p = head.pending
         t = table[p if p < cap else cap]
-        limit = self.batch_rows_limit(t)
+        model = head.model
+        limit = self.batch_rows_limit(t, model)
         rows = []
         for slot in islice(ready, limit):
-            p = sessions[slot].pending
-            if table[p if p < cap else cap] == t:
+            s = sessions[slot]
+            p = s.pending
+            if table[p if p < cap else cap] == t and s.model == model:
                 rows.append(slot)
-        return self._commit(Priority.BATCH, rows, t, now)
+        return self._commit(Priority.BATCH, rows, t, model, now)
 
-    def _commit(self, priority: Priority, rows: list[int], t: int, now: float) -> StepPlan:
+    def _commit(self, priority: Priority, rows: list[int], t: int, model: int, now: float) -> StepPlan:
         """Take ``t`` frames from each row's queue, rotate the ready set, count misses and waits."""
         realtime = priority == Priority.REALTIME
         ready = self._ready_rt if realtime else self._ready_batch
@@ -404,46 +430,53 @@ class Scheduler:
             st.batch_steps += 1
             st.batch_rows += len(rows)
             st.batch_frames += len(rows) * t
-        return StepPlan(priority, t, rows, waits, misses, now, oldest)
+        return StepPlan(priority, t, rows, waits, misses, now, oldest, model)
 
     # -- cost model ----------------------------------------------------------------------------------
 
-    def update_cost(self, rows: int, frames: int, seconds: float, priority: Priority | None = None) -> None:
-        """Feed the measured wall time of a step of ``rows`` rows x ``frames`` frames (any priority)."""
+    def update_cost(
+        self, rows: int, frames: int, seconds: float, priority: Priority | None = None, model: int = 0
+    ) -> None:
+        """Feed the measured wall time of a step of ``rows`` rows x ``frames`` frames of ``model`` (any
+        priority)."""
         if not 1 <= rows <= self.config.max_batch or frames < 1 or not 0 <= seconds < math.inf:
             raise ValueError(f"bad step measurement: rows={rows} frames={frames} seconds={seconds}")
         if priority == Priority.BATCH and self.config.batch_max_duty < 1:
             self._batch_allowed_s = self._clock() + seconds * (1 / self.config.batch_max_duty - 1)
         key = (self._row_bucket(rows), frames)
-        old = self._cost_s.get(key)
-        self._cost_s[key] = seconds if old is None else old + self.config.cost_ema_alpha * (seconds - old)
-        self._fit_dirty = True
+        costs = self._cost_s[model]
+        old = costs.get(key)
+        costs[key] = seconds if old is None else old + self.config.cost_ema_alpha * (seconds - old)
+        self._fit_dirty[model] = True
 
-    def estimate_cost_s(self, rows: int, frames: int) -> float:
-        """Estimated seconds of a step: the (row bucket, T) EMA if measured, else the fitted line.
+    def estimate_cost_s(self, rows: int, frames: int, model: int = 0) -> float:
+        """Estimated seconds of a step of ``model``: the (row bucket, T) EMA if measured, else the fitted line.
 
         The line is ``fixed_s + per_row_frame_s * row_bucket * T``, least squares over the measured
         EMAs; with fewer than two distinct sizes (or a non-positive slope) it goes through the origin,
         which overestimates larger steps. Infinite before any measurement.
         """
         b = self._row_bucket(rows)
-        measured = self._cost_s.get((b, frames))
+        costs = self._cost_s[model]
+        measured = costs.get((b, frames))
         if measured is not None:
             return measured
-        if self._fit_dirty:
-            self._fit = _fit_line([(bb * tt, y) for (bb, tt), y in self._cost_s.items()])
-            self._fit_dirty = False
-        if self._fit is None:
+        if self._fit_dirty[model]:
+            self._fit[model] = _fit_line([(bb * tt, y) for (bb, tt), y in costs.items()])
+            self._fit_dirty[model] = False
+        fit = self._fit[model]
+        if fit is None:
             return math.inf
-        fixed_s, per_row_frame_s = self._fit
+        fixed_s, per_row_frame_s = fit
         return max(0.0, fixed_s + per_row_frame_s * b * frames)
 
-    def batch_rows_limit(self, frames: int) -> int:
-        """The most BATCH rows of ``frames`` frames whose estimated cost fits the budget (at least 1)."""
+    def batch_rows_limit(self, frames: int, model: int = 0) -> int:
+        """The most BATCH rows of ``frames`` frames of ``model`` whose estimated cost fits the budget (at
+        least 1)."""
         budget_s = self.config.batch_step_budget_s
         best = 1
         for b in self._row_buckets:  # stop at the first bucket over budget: estimates need not be monotone
-            if self.estimate_cost_s(b, frames) > budget_s:
+            if self.estimate_cost_s(b, frames, model) > budget_s:
                 break
             best = b
         return best

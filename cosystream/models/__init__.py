@@ -5,14 +5,28 @@ holding ``config.json``, ``vocabulary.json`` and ``model.safetensors``.
 """
 
 from cosystream.models.contract import FRAME_SAMPLES, CacheSpec, StreamingModel, output_delay_frames
-from cosystream.models.loading import DEFAULT_MODEL_DIR, load_model, save_model
+from cosystream.models.loading import (
+    DEFAULT_MODEL_DIR,
+    ModelSource,
+    content_version,
+    load_model,
+    model_name,
+    model_sources,
+    save_model,
+    vocabulary_kind,
+)
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
     "FRAME_SAMPLES",
     "CacheSpec",
+    "ModelSource",
     "StreamingModel",
+    "content_version",
     "load_model",
+    "model_name",
+    "model_sources",
     "output_delay_frames",
     "save_model",
+    "vocabulary_kind",
 ]

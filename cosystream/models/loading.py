@@ -1,9 +1,17 @@
-"""Model directories on disk: ``config.json`` + ``vocabulary.json`` + ``model.safetensors``."""
+"""Model directories on disk: ``config.json`` + ``vocabulary.json`` + ``model.safetensors``.
+
+Also what a server needs to tell its models apart without loading them: each one's name (``config.json``'s
+``"name"``), a content version (a hash of its files) and its vocabulary's kind (``lexicon.tsv.gz`` beside the
+weights: phonemes; else letters). :class:`ModelSource` names one served model.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,9 +25,73 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
 WEIGHTS_FILE = "model.safetensors"
+LEXICON_FILE = "lexicon.tsv.gz"  # a phoneme model's pronunciations (cosystream.decoding reads it)
+VERSIONED_FILES = (CONFIG_FILE, VOCABULARY_FILE, WEIGHTS_FILE)
 UNTRAINED_SEED = 0
+RESERVED_NAMES = ("", "default")  # what a StreamingConfig sends for the default model
 
 _ARCHITECTURES = {"conv_ctc": (ConvCtcConfig, ConvCtcModel)}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """One model a server runs: the name sessions ask for, and its directory (None: the embedded default)."""
+
+    name: str
+    path: str | None = None
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.path) if self.path is not None else DEFAULT_MODEL_DIR
+
+
+def model_name(path: str | Path | None) -> str:
+    """The model's own name: ``config.json``'s ``"name"``, else its architecture's default name."""
+    directory = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    name = config.get("name")
+    if name:
+        return str(name)
+    config_cls, _ = _ARCHITECTURES.get(config.get("architecture", "conv_ctc"), _ARCHITECTURES["conv_ctc"])
+    return config_cls.__dataclass_fields__["name"].default
+
+
+def model_sources(entries: Iterable[tuple[str | None, str | None]]) -> tuple[ModelSource, ...]:
+    """``(name or None, directory or None)`` pairs -> the served models, the first the default. A missing name
+    is the model's own (:func:`model_name`); no entry at all serves the embedded model. Raises ``ValueError``
+    (one line) for a reserved name or two models of one name."""
+    sources: list[ModelSource] = []
+    for name, path in entries:
+        if name is None:
+            # (A directory without a config is named after itself: loading it says what is wrong with it.)
+            readable = path is None or (Path(path) / CONFIG_FILE).is_file()
+            name = model_name(path) if readable else Path(path).name
+        if name in RESERVED_NAMES:
+            raise ValueError(f"{name!r} cannot name a model: it asks for the default one")
+        if any(source.name == name for source in sources):
+            raise ValueError(f"two models are named {name!r}: name them with NAME=DIR")
+        sources.append(ModelSource(name, path))
+    return tuple(sources) or (ModelSource(model_name(None), None),)
+
+
+def content_version(path: str | Path | None) -> str:
+    """A hash of the model's config, vocabulary and weights (12 hex digits): equal models, equal versions."""
+    directory = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    digest = hashlib.sha256()
+    for name in VERSIONED_FILES:
+        file = directory / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0")
+            with file.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+    return digest.hexdigest()[:12]
+
+
+def vocabulary_kind(path: str | Path | None) -> str:
+    """``phonemes`` when the model ships a pronunciation lexicon, else ``letters``."""
+    directory = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    return "phonemes" if (directory / LEXICON_FILE).is_file() else "letters"
 
 
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu") -> ConvCtcModel:

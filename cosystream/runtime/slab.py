@@ -3,6 +3,8 @@
 For each cache spec, one tensor ``[max_sessions + 1, *shape]``; the last slot is scratch, the target of
 padding rows in a batch. A free list hands out slots in O(1); freeing or resetting a slot zeroes it, so a
 new session or utterance always starts from clean caches. Nothing is allocated per session after start-up.
+(An engine with several models numbers its slots across them: it gives each model a slab of the same size
+and only zeroes rows of it, ``reset``, handing out the slots itself.)
 """
 
 from __future__ import annotations

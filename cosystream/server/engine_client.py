@@ -58,7 +58,9 @@ class Engine(Protocol):
 
     def new_key(self) -> int: ...
 
-    def open(self, key: int, priority: Priority, sink: SessionSink) -> None: ...
+    def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
+        """Open session ``key`` on model ``model`` (an index into ``info.models``; 0, the default)."""
+        ...
 
     def send_frames(self, key: int, frames: np.ndarray) -> None: ...
 
@@ -184,9 +186,9 @@ class EngineClient:
         self._next_key += 1
         return self._next_key
 
-    def open(self, key: int, priority: Priority, sink: SessionSink) -> None:
+    def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
         self._sinks[key] = sink
-        self._pending.ops.append((ipc.OPEN, key, int(priority)))
+        self._pending.ops.append((ipc.OPEN, key, int(priority), model))
         self._schedule_flush()
 
     def send_frames(self, key: int, frames: np.ndarray) -> None:

@@ -6,6 +6,9 @@ final. A stream that the server ends early (idle timeout, the end of a drain's g
 stops, the audio received is flushed, its final is sent, then the status says why; OK means every byte sent
 was transcribed. The stream's engine slot is owned by one ``try`` whose ``finally`` frees it, entered before
 the first ``await``: a cancel, a rejection or an error at any point frees it.
+
+A stream runs on the model its config names (the default when it names none), with that model's own decoder
+(its vocabulary, lexicon and language model) and output delay; every result names the model and its version.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from cosystream import __version__
 from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.config import DecoderConfig, DecoderFactory
+from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.metrics import FrontendMetrics
@@ -55,14 +59,17 @@ class StreamOptions:
     max_queued_responses: int = DEFAULT_MAX_ITEMS
     default_endpointing: EndpointingConfig = field(default_factory=EndpointingConfig)
     frontends: int = 1
-    decoder: DecoderConfig = field(default_factory=DecoderConfig)  # resolve()d against the model by the app
+    # The decoder asked for; the app resolve()s it against each model: ``decoders`` holds the result per model
+    # name. A model not in ``decoders`` gets ``decoder`` resolved against its directory here.
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    decoders: tuple[tuple[str, DecoderConfig], ...] = ()
 
 
 class ConfigError(ValueError):
     """A StreamingConfig the server cannot run; the message says what to fix."""
 
 
-def validate_config(config: pb.StreamingConfig, model_name: str, defaults: EndpointingConfig) -> SessionConfig:
+def validate_config(config: pb.StreamingConfig, info: EngineInfo, defaults: EndpointingConfig) -> SessionConfig:
     if config.encoding not in AudioEncoding._value2member_map_:
         raise ConfigError(f"unknown encoding {config.encoding}: use LINEAR16, MULAW or ALAW")
     encoding = AudioEncoding(config.encoding or AudioEncoding.LINEAR16)
@@ -75,8 +82,12 @@ def validate_config(config: pb.StreamingConfig, model_name: str, defaults: Endpo
         )
     if config.priority not in (0, Priority.REALTIME, Priority.BATCH):
         raise ConfigError(f"unknown priority {config.priority}: use REALTIME or BATCH")
-    if config.model not in ("", "default", model_name):
-        raise ConfigError(f"unknown model {config.model!r}: this server runs {model_name!r} (or leave it empty)")
+    model = info.model_index(config.model)
+    if model is None:
+        served = ", ".join(repr(m.name) for m in info.models)
+        raise ConfigError(
+            f"unknown model {config.model!r}: this server runs {served} (empty or 'default': {info.model_name!r})"
+        )
     requested = config.endpointing
     try:
         endpointing = EndpointingConfig(
@@ -95,6 +106,7 @@ def validate_config(config: pb.StreamingConfig, model_name: str, defaults: Endpo
         interim_results=config.interim_results,
         endpointing=endpointing,
         word_time_offsets=config.enable_word_time_offsets,
+        model=model,
     )
 
 
@@ -146,17 +158,20 @@ class _Stream:
         self.end_status: _Abort | None = None  # a cut stream's status, sent after its final
         metrics = servicer.metrics
         priority_label = config.priority.name.lower()
+        model: ModelInfo = servicer.info.models[config.model]
         self.session = Session(
             self.key,
             self.session_id,
             config,
-            servicer.decoders(),
+            servicer.decoders[config.model](),
             self.engine,
             self.responses.put,
             max_in_flight_frames=servicer.options.max_in_flight_frames,
             on_first_result=metrics.observe_first_result,
             on_result_latency=lambda s: metrics.observe_result(priority_label, s),
-            output_delay_frames=servicer.info.output_delay_frames,
+            output_delay_frames=model.output_delay_frames,
+            model_name=model.name,
+            model_version=model.version,
         )
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
@@ -342,12 +357,21 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.options = options
         self.metrics = metrics or FrontendMetrics()
         self.info = engine.info
-        if options.decoder.top_k > self.info.top_k:
-            raise ValueError(
-                f"the {options.decoder.kind} decoder reads {options.decoder.top_k} token candidates per frame, but "
-                f"the engine sends {self.info.top_k} (EngineConfig.top_k)"
-            )
-        self.decoders = DecoderFactory(options.decoder, self.info.vocabulary)
+        # Per model (by index), what makes its sessions' decoders; models alike share one (and its LM).
+        self.decoders: list[DecoderFactory] = []
+        factories: dict[tuple, DecoderFactory] = {}
+        resolved = dict(options.decoders)
+        for model in self.info.models:
+            decoder = resolved.get(model.name) or options.decoder.resolve(model.path)
+            if decoder.top_k > self.info.top_k:
+                raise ValueError(
+                    f"the {decoder.kind} decoder reads {decoder.top_k} token candidates per frame, but "
+                    f"the engine sends {self.info.top_k} (EngineConfig.top_k)"
+                )
+            key = (decoder, tuple(model.vocabulary))
+            if key not in factories:
+                factories[key] = DecoderFactory(decoder, model.vocabulary)
+            self.decoders.append(factories[key])
         self.draining = False
         self._streams: set[_Stream] = set()
 
@@ -374,7 +398,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         if first.WhichOneof("request") != "config":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         try:
-            config = validate_config(first.config, self.info.model_name, self.options.default_endpointing)
+            config = validate_config(first.config, self.info, self.options.default_endpointing)
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         token = current_token()
@@ -406,15 +430,16 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             self._streams.add(stream)
             stream.claim_quota()
             log.info(
-                "session %s opened: %s %d Hz %s%s",
+                "session %s opened: %s %d Hz %s, model %s%s",
                 stream.session_id,
                 config.encoding.name,
                 config.sample_rate_hz,
                 config.priority.name,
+                self.info.models[config.model].name,
                 "" if stream.token is None else f" token {stream.token.name}",
                 extra={"session_id": stream.session_id},
             )
-            self.engine.open(stream.key, config.priority, stream)
+            self.engine.open(stream.key, config.priority, stream, config.model)
             # The config is accepted: say so at once (clients may wait for this before sending audio).
             await context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
             stream.start(requests)
@@ -451,14 +476,19 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             version=__version__,
             models=[
                 pb.ModelInfo(
-                    name=info.model_name,
-                    language=info.language,
+                    name=model.name,
+                    language=model.language,
                     sample_rate_hz=SAMPLE_RATE_HZ,
                     frame_ms=FRAME_MS,
-                    parameters=info.parameters,
-                    vocabulary=info.vocabulary,
-                    is_default=True,
+                    parameters=model.parameters,
+                    vocabulary=model.vocabulary,
+                    is_default=index == 0,
+                    version=model.version,
+                    vocabulary_kind=model.vocabulary_kind,
+                    output_delay_ms=model.output_delay_frames * FRAME_MS,
+                    precision=model.precision,
                 )
+                for index, model in enumerate(info.models)
             ],
             encodings=[pb.LINEAR16, pb.MULAW, pb.ALAW],
             min_sample_rate_hz=MIN_INPUT_RATE_HZ,

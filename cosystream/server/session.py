@@ -44,6 +44,7 @@ class SessionConfig:
     interim_results: bool
     endpointing: EndpointingConfig
     word_time_offsets: bool
+    model: int = 0  # which of the engine's models (an index into EngineInfo.models)
 
 
 class EngineLink:
@@ -110,6 +111,8 @@ class Session:
         on_result_latency: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         output_delay_frames: int = 0,
+        model_name: str = "",
+        model_version: str = "",
     ):
         self.key = key
         self.session_id = session_id
@@ -123,6 +126,7 @@ class Session:
         # A model with right context outputs each frame this much later: an utterance's end-of-utterance
         # silence includes that much more, so its last words come out, and word times are moved back by it.
         self.output_delay_frames = output_delay_frames
+        self.model_name, self.model_version = model_name, model_version  # named on every result
         self._pcm = PcmDecoder(config.encoding)
         self._resampler = Resampler(config.sample_rate_hz)
         self._framer = Framer()
@@ -314,6 +318,8 @@ class Session:
             end_ms=end_ms,
             utterance_index=utterance.index,
             confidence=self._ctc.confidence,
+            model=self.model_name,
+            model_version=self.model_version,
         )
         if self.config.word_time_offsets:
             delay_ms = self.output_delay_frames * FRAME_MS

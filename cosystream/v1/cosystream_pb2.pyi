@@ -100,7 +100,7 @@ class StreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StreamingResult(_message.Message):
-    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence")
+    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence", "model", "model_version")
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     IS_FINAL_FIELD_NUMBER: _ClassVar[int]
     STABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class StreamingResult(_message.Message):
     WORDS_FIELD_NUMBER: _ClassVar[int]
     UTTERANCE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     transcript: str
     is_final: bool
     stability: float
@@ -117,7 +119,9 @@ class StreamingResult(_message.Message):
     words: _containers.RepeatedCompositeFieldContainer[WordInfo]
     utterance_index: int
     confidence: float
-    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
+    model: str
+    model_version: str
+    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class WordInfo(_message.Message):
     __slots__ = ("word", "start_ms", "end_ms", "confidence")
@@ -188,7 +192,7 @@ class ServerInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "language", "sample_rate_hz", "frame_ms", "parameters", "vocabulary", "is_default")
+    __slots__ = ("name", "language", "sample_rate_hz", "frame_ms", "parameters", "vocabulary", "is_default", "version", "vocabulary_kind", "output_delay_ms", "precision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +200,10 @@ class ModelInfo(_message.Message):
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_KIND_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     language: str
     sample_rate_hz: int
@@ -203,4 +211,8 @@ class ModelInfo(_message.Message):
     parameters: int
     vocabulary: _containers.RepeatedScalarFieldContainer[str]
     is_default: bool
-    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., frame_ms: _Optional[int] = ..., parameters: _Optional[int] = ..., vocabulary: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ...) -> None: ...
+    version: str
+    vocabulary_kind: str
+    output_delay_ms: int
+    precision: str
+    def __init__(self, name: _Optional[str] = ..., language: _Optional[str] = ..., sample_rate_hz: _Optional[int] = ..., frame_ms: _Optional[int] = ..., parameters: _Optional[int] = ..., vocabulary: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ..., version: _Optional[str] = ..., vocabulary_kind: _Optional[str] = ..., output_delay_ms: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...

@@ -13,6 +13,9 @@ Mapping decisions (docs/COMPAT.md has the user-facing list):
     the stream ends with OK (audio sent after the event is not recognized);
   * finals carry ``confidence`` and, when asked, words (Duration offsets from the start of the stream);
     interims carry ``stability`` and no words, as Google's do;
+  * ``config.model`` that names a served model picks it; any other name (Google's "latest_long",
+    "phone_call", "default", ...) gets the default model rather than an error, so clients written for
+    Google keep working;
   * before the first response, UNAVAILABLE becomes RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED becomes
     OUT_OF_RANGE: the client retries the former two with a request iterator it has already consumed.
 """
@@ -27,6 +30,7 @@ from google.cloud.speech_v1.types import cloud_speech
 from google.protobuf import descriptor_pb2, descriptor_pool
 
 from cosystream.audio.codecs import AudioEncoding
+from cosystream.engine.ipc import EngineInfo
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
@@ -62,7 +66,7 @@ _BAD = grpc.StatusCode.INVALID_ARGUMENT
 class GoogleTranslation(Translation):
     encoding_names = _ENCODING_NAMES
 
-    def __init__(self, first):
+    def __init__(self, first, info: EngineInfo):
         if first is None or not first.HasField("streaming_config"):
             raise CompatError(_BAD, "Malordered Data Received. Send exactly one config, followed by audio data.")
         streaming = first.streaming_config
@@ -86,9 +90,11 @@ class GoogleTranslation(Translation):
         self.declared = AudioFormat(
             _ENCODINGS[config.encoding], config.sample_rate_hertz, config.audio_channel_count
         )
+        model = info.model_index(config.model)  # None for Google's own names: the default, 0, as ""
         self.native_config = pb.StreamingConfig(
             interim_results=streaming.interim_results,
             enable_word_time_offsets=config.enable_word_time_offsets or config.enable_word_confidence,
+            model=info.models[model].name if model else "",
         )
         self.single_utterance = streaming.single_utterance
         self.voice_events = streaming.enable_voice_activity_events
@@ -136,6 +142,9 @@ class GoogleTranslation(Translation):
 class GoogleSpeechAdapter(StreamAdapter):
     translation = GoogleTranslation
     early_codes = EARLY_CODES
+
+    def open(self, first) -> GoogleTranslation:
+        return GoogleTranslation(first, self.servicer.info)
 
 
 def _add_service_descriptor() -> None:

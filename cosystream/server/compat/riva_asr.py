@@ -7,6 +7,7 @@ Mapping decisions (docs/COMPAT.md has the user-facing list):
   * ``audio_processed`` is float seconds, word ``start_time`` / ``end_time`` int32 ms from the start of
     the stream (Riva's units);
   * ``endpointing_config.stop_history`` (ms) becomes the native ``silence_ms`` (rounded up to 10 ms);
+  * ``config.model`` names a served model (empty: the default); any other is Riva's "Unavailable model";
   * the request ``id`` of the first request is echoed on every response;
   * status codes are the native ones (Riva's client does not retry).
 """
@@ -20,6 +21,7 @@ from riva.client.proto import riva_asr_pb2 as rasr
 from riva.client.proto import riva_audio_pb2 as raudio
 
 from cosystream.audio.codecs import AudioEncoding
+from cosystream.engine.ipc import EngineInfo
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
@@ -56,12 +58,13 @@ def _unavailable_model(config) -> CompatError:
 class RivaTranslation(Translation):
     encoding_names = _ENCODING_NAMES
 
-    def __init__(self, first, model_name: str):
+    def __init__(self, first, info: EngineInfo):
         if first is None or not first.HasField("streaming_config"):
             raise CompatError(_BAD, "the first request must carry streaming_config, then audio_content")
         streaming = first.streaming_config
         config = streaming.config
-        if config.language_code.lower() not in ("", LANGUAGE_CODE.lower()) or config.model not in ("", model_name):
+        served = config.model == "" or any(m.name == config.model for m in info.models)
+        if config.language_code.lower() not in ("", LANGUAGE_CODE.lower()) or not served:
             raise _unavailable_model(config)
         if config.encoding not in _ENCODINGS:
             known = raudio.AudioEncoding.DESCRIPTOR.values_by_number.get(config.encoding)
@@ -86,6 +89,7 @@ class RivaTranslation(Translation):
             interim_results=streaming.interim_results,
             enable_word_time_offsets=config.enable_word_time_offsets,
             endpointing=endpointing,
+            model=config.model,
         )
         self.request_id = first.id if first.HasField("id") else None
 
@@ -111,14 +115,16 @@ class RivaAsrAdapter(StreamAdapter):
     translation = RivaTranslation
 
     def open(self, first) -> Translation:
-        return RivaTranslation(first, self.servicer.info.model_name)
+        return RivaTranslation(first, self.servicer.info)
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
-        """The model this server runs, in the shape ``--list-models`` clients read."""
-        name = self.servicer.info.model_name
+        """The models this server runs (or the one ``model_name`` names), the default first, in the shape
+        ``--list-models`` clients read."""
         response = rasr.RivaSpeechRecognitionConfigResponse()
-        if request.model_name in ("", name):
-            config = response.model_config.add(model_name=name)
+        for model in self.servicer.info.models:
+            if request.model_name not in ("", model.name):
+                continue
+            config = response.model_config.add(model_name=model.name)
             config.parameters.update(
                 {
                     "type": "online",

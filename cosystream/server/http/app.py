@@ -172,9 +172,11 @@ class HttpServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._token(request)
-        info = self.servicer.info
-        model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "cosystream"}
-        return web.json_response({"object": "list", "data": [model]})
+        models = [
+            {"id": model.name, "object": "model", "created": 0, "owned_by": "cosystream", "version": model.version}
+            for model in self.servicer.info.models
+        ]
+        return web.json_response({"object": "list", "data": models})
 
     async def _transcriptions(self, request: web.Request) -> web.StreamResponse:
         return await self.transcriber.handle(request, self._token(request))

@@ -20,16 +20,20 @@ OpenAI runs with only its base URL changed."""
 
 
 def native_model(servicer: CosyStreamServicer, requested: str | None, param: str = "model") -> str:
-    """The native ``StreamingConfig.model`` for a requested name ("" = the default). Raises
-    :class:`ApiError` (400, ``model_not_found``) listing the names served."""
+    """The native ``StreamingConfig.model`` for a requested name: a served model's name, or "" (the default)
+    for "", "default" and OpenAI's names. Raises :class:`ApiError` (400, ``model_not_found``) listing the
+    names served."""
     name = (requested or "").strip()
-    served = servicer.info.model_name
-    if name in ("", "default", served) or name in OPENAI_MODELS:
-        return "" if name != served else served
+    info = servicer.info
+    if any(model.name == name for model in info.models):
+        return name
+    if name in ("", "default") or name in OPENAI_MODELS:
+        return ""
+    served = ", ".join(repr(model.name) for model in info.models)
     raise ApiError(
         400,
-        f"unknown model {name!r}: this server runs {served!r} (also answering to 'default' and OpenAI's "
-        f"{', '.join(sorted(OPENAI_MODELS))})",
+        f"unknown model {name!r}: this server runs {served} (the first also answering to 'default' and "
+        f"OpenAI's {', '.join(sorted(OPENAI_MODELS))})",
         "model_not_found",
         param,
     )
