@@ -47,7 +47,10 @@ def test_probe_reports_both_classes(tmp_path):
     check_schema(result, realtime=4, batch=1)
     realtime, batch = result["classes"]["realtime"], result["classes"]["batch"]
     assert realtime["errors"] == 0 and batch["errors"] == 0
-    assert realtime["deadline_misses"] == 0
+    # None on a quiet machine; a loaded one (other jobs on the 2 cores) misses a handful, where REALTIME
+    # stepped behind BATCH work would miss far more (test_overloaded_run_shows_deadline_misses: 4-7%).
+    realtime_frames = 4 * 4 * 100
+    assert realtime["deadline_misses"] <= 0.02 * realtime_frames, realtime["deadline_misses"]
     assert batch["realtime_factor"] > 1.5, "BATCH sessions send faster than real time"
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("realtime=4 ") and "batch=1" in last
