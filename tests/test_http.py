@@ -731,3 +731,33 @@ def test_http_requests_and_websockets_are_counted(server, client, two_wav):
     while REGISTRY.get_sample_value("cosystream_websocket_sessions") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert REGISTRY.get_sample_value("cosystream_websocket_sessions") == 0
+
+
+def test_a_format_change_mid_session_applies_to_the_audio_after_it(server):
+    """A session.update while audio is buffered ends that buffer (no error for its silence) and the audio
+    after it is read in the new format."""
+    quiet16 = encode(silence(0.5, 16000), "LINEAR16")
+    speech8 = encode(
+        np.concatenate([silence(0.3, 8000), speech(OTHER, rate_hz=8000), silence(0.8, 8000)]), "LINEAR16"
+    )
+
+    async def run():
+        async with websockets.connect(ws_url(server)) as ws:
+            await ws.recv()
+            await ws.send(session_update({"type": "audio/pcm", "rate": 16000}))
+            await ws.recv()
+            for message in appends(quiet16, 3200):
+                await ws.send(message)
+            await ws.send(session_update({"type": "audio/pcm", "rate": 8000}))
+            for message in appends(speech8, 1600):
+                await ws.send(message)
+            return await events_until(ws, "conversation.item.input_audio_transcription.completed")
+
+    events = asyncio.run(run())
+    assert not [e for e in events if e["type"] == "error"], events
+    assert (
+        events[0]["type"] == "session.updated" and events[0]["session"]["audio"]["input"]["format"]["rate"] == 8000
+    )
+    assert heard(events[-1]["transcript"], OTHER), events[-1]["transcript"]
+    started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
+    assert 700 <= started["audio_start_ms"] <= 1000, "times count from the start of the connection's audio"

@@ -269,8 +269,10 @@ class _Buffer:
         self.sent_bytes += len(audio)
         await self.stream.send_audio(audio)
 
-    def commit(self) -> None:
-        self.committing = True
+    def commit(self, asked: bool = True) -> None:
+        """End the buffer (``asked``: by the client's commit, which an empty buffer answers with an error;
+        else by a settings change)."""
+        self.committing = asked
         if not self.settings.server_vad:
             self.connection.emit(
                 {
@@ -523,7 +525,7 @@ class RealtimeConnection:
         if kind in ("session.update", "transcription_session.update"):
             self.settings = apply_update(self.settings, event.get("session"), self.servicer)
             if self.buffer is not None and self.buffer.settings != self.settings:
-                self.buffer.commit()  # the new settings take effect at the next buffer
+                self.buffer.commit(asked=False)  # the new settings take effect at the next buffer
                 self._end_buffer()
             beta = kind == "transcription_session.update"
             updated = describe(self.settings, self.session_id, self.servicer.options.default_endpointing, beta)
