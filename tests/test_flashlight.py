@@ -1,5 +1,6 @@
 """The compiled beam search (flashlight-text's LexiconDecoder with KenLM): the same words as the Python search,
-streaming equal to one push, pruning that does not change the result, and the default model on speech."""
+streaming equal to one push, pruning that does not change the result, the text traced back every few frames as
+if after every one, and the default model on speech."""
 
 from __future__ import annotations
 
@@ -104,6 +105,41 @@ def test_pruning_commits_old_words_and_changes_nothing(lexicon):
         assert pruned._dropped > 0 and pruned._committed
     with pytest.raises(ValueError, match="keep_frames"):
         FlashlightCtcDecoder(VOCAB, lexicon, prune_at_frames=120, keep_frames=30)
+
+
+def test_the_text_is_traced_back_every_trace_frames_as_if_after_every_push(lexicon):
+    # Frame by frame, one decoder tracing back after every frame and one every 4 frames (and after each
+    # prune): at each trace-back the second's text is the first's; until the next one its text, words and
+    # confidence stay those of the last trace-back (words first read 3 frames later); the final is the same.
+    kwargs = {"prune_at_frames": 120, "keep_frames": 10}
+    every = FlashlightCtcDecoder(VOCAB, lexicon, trace_frames=1, **kwargs)
+    sparse = FlashlightCtcDecoder(VOCAB, lexicon, trace_frames=4, **kwargs)
+    ids, lps = frames(LONG * 3)
+    shown, since, prunes, changes, late_reads = ("", [], 0.0), 0, 0, 0, 0
+    for t in range(len(ids)):
+        every.push(ids[t : t + 1], lps[t : t + 1], t)
+        dropped = sparse._dropped
+        changed = sparse.push(ids[t : t + 1], lps[t : t + 1], t)
+        since += 1
+        pruned = sparse._dropped != dropped
+        prunes += pruned
+        if since == 4 or pruned:
+            since = 0
+            assert sparse.text == every.text and changed == (sparse.text != shown[0])
+            shown = (every.text, every.words(), every.confidence)
+            changes += changed
+        else:
+            assert not changed and sparse.text == shown[0]
+            if since == 3:
+                assert (sparse.words(), sparse.confidence) == shown[1:]
+                late_reads += bool(shown[1])
+    assert prunes >= 2 and changes >= 10 and late_reads >= 10
+    every.finalize()
+    sparse.finalize()
+    assert sparse.text == every.text == " ".join(["the cat sat on the mat the dog sat on the log"] * 3)
+    assert sparse.words() == every.words()
+    with pytest.raises(ValueError, match="trace_frames"):
+        FlashlightCtcDecoder(VOCAB, lexicon, trace_frames=0)
 
 
 def test_it_finds_what_the_python_search_finds(lexicon, arpa):

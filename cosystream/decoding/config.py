@@ -4,10 +4,10 @@
 word n-gram language model (ARPA). ``auto`` picks ``beam`` when the model directory ships a
 ``lm.arpa.gz`` (the default model does) or ``--lm`` names one, else ``greedy``. The beam search is the
 Python :class:`~cosystream.decoding.beam.BeamCtcDecoder` by default; ``search="flashlight"`` (or ``auto``:
-flashlight when installed) runs the compiled
-:class:`~cosystream.decoding.flashlight.FlashlightCtcDecoder` (flashlight-text with KenLM, 3-5x less
-decoding time at the same WER, but worse end to end so far); :attr:`DecoderConfig.search` chooses. A model whose tokens are
-phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search spells words by it, and
+flashlight when installed) runs the compiled :class:`~cosystream.decoding.flashlight.FlashlightCtcDecoder`
+(flashlight-text with KenLM: 3-5x less decoding time at the same WER offline, but served no cheaper than
+the Python search so far, docs/PERFORMANCE.md); :attr:`DecoderConfig.search` chooses. A model whose tokens
+are phonemes ships its pronunciation lexicon, ``lexicon.tsv.gz``: the beam search spells words by it, and
 ``greedy`` is refused (it would print phonemes; ``--beam-size`` is the way to a cheaper search). The
 application resolves the choice once per served model and hands them to the frontends; the engine is only
 told :attr:`DecoderConfig.top_k`, the token candidates per frame to send.
@@ -48,8 +48,9 @@ class DecoderConfig:
     lm_path: str | None = None  # None: the model directory's lm.arpa.gz
     beam: BeamConfig = field(default_factory=BeamConfig)
     lexicon_path: str | None = None  # set by resolve(): the model's pronunciation lexicon, if it has one
-    # auto | flashlight | python: the beam search's implementation. python until the compiled search holds up
-    # end to end (docs/PERFORMANCE.md: its capacity at 40 streams is worse, though it decodes 3-5x faster).
+    # auto | flashlight | python: the beam search's implementation. python until the compiled search is cheaper
+    # served (docs/PERFORMANCE.md: 3-5x faster offline, but its memory is cold at every push of a served
+    # session, and per push it still costs more than the Python search).
     search: str = "python"
 
     def __post_init__(self) -> None:

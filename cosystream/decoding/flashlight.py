@@ -16,12 +16,15 @@ and blank, not by text; homophones the language model cannot tell apart are kept
 from Python: its binding takes ownership of the root and frees it twice at exit.
 
 Streaming: :meth:`~FlashlightCtcDecoder.push` hands each push's frames to ``decode_step``; the best
-hypothesis is traced back after each push (its finished words; the word in progress is guessed from the
-frames since, as the Python search shows the likeliest word its partial spelling can become). The
-decoder keeps every frame's hypotheses until it is pruned: every ``_PRUNE_AT_FRAMES`` frames the best
-path's words older than ``_KEEP_FRAMES`` are committed and their frames dropped, which bounds memory and
-the trace-back of a long utterance. Pruning happens at fixed frame counts, so how the frames are chunked
-into pushes never changes the result.
+hypothesis is traced back once ``trace_frames`` frames (40 ms) have arrived since the last trace-back (its
+finished words; the word in progress is guessed from the frames since, as the Python search shows the
+likeliest word its partial spelling can become). A trace-back walks the best path through every held
+frame, one cache miss per frame when served, so tracing back after every 10 ms push cost more than the
+search itself. The decoder keeps every frame's hypotheses until it is pruned: every ``_PRUNE_AT_FRAMES``
+frames the best path's words older than ``_KEEP_FRAMES`` are committed and their frames dropped, which
+bounds memory and the trace-back of a long utterance. Pruning happens at fixed frame counts, so how the
+frames are chunked into pushes never changes the result (nor does ``trace_frames``: only when the text is
+read).
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ _NEG = -1e9  # log-prob of a token that cannot be emitted (finite: the search ad
 _PRUNE_AT_FRAMES = 500  # frames the decoder holds before it prunes (5 s of audio)...
 _KEEP_FRAMES = 250  # ...down to this many (plus the frames back to the best path's last word, at most 100)
 _LOOK_BACK_LIMIT = 100  # flashlight's kLookBackLimit: how far back a trace-back looks for a finished word
+# Frames pushed between trace-backs of the best path (the text is read at most every 40 ms of audio). A
+# trace-back walks every held frame's hypothesis, one dependent memory load per frame: offline, with the
+# decoder's memory in cache, 1-5 us; served, 20-50 us (the engine's model step and the rest of the box have
+# evicted it since the session's last push), more than the search of the frames itself (docs/PERFORMANCE.md).
+_TRACE_FRAMES = 4
 
 
 def available() -> bool:
@@ -210,12 +218,15 @@ class FlashlightCtcDecoder:
         frame_ms: int = 10,
         prune_at_frames: int = _PRUNE_AT_FRAMES,
         keep_frames: int = _KEEP_FRAMES,
+        trace_frames: int = _TRACE_FRAMES,
     ) -> None:
         if list(vocabulary) != lexicon.vocabulary:
             raise ValueError("the lexicon was built for another vocabulary")
         if not 0 < keep_frames < prune_at_frames - _LOOK_BACK_LIMIT:
             raise ValueError(f"need 0 < keep_frames < prune_at_frames - 100, got {keep_frames}, {prune_at_frames}")
-        self._prune_at, self._keep = prune_at_frames, keep_frames
+        if trace_frames < 1:
+            raise ValueError(f"need trace_frames >= 1, got {trace_frames}")
+        self._prune_at, self._keep, self._trace_frames = prune_at_frames, keep_frames, trace_frames
         self.lexicon = lexicon
         self.config = config or BeamConfig()
         self.stable_interims = self.config.beam_size == 1
@@ -249,6 +260,8 @@ class FlashlightCtcDecoder:
         self._origin = -1  # stream frame of the utterance's first frame (set by the first push)
         self._held = 0  # frames in the decoder's buffer (rows of _emissions)
         self._dropped = 0  # frames pruned away before them
+        self._traced = 0  # held frames at the last trace-back (the text and the words describe these)
+        self._untraced = 0  # frames pushed since then
         self._committed: list[Word] = []  # the words of the frames pruned away
         self._labels: list[int] = []  # the best path's words in the held frames
         self._partial: tuple[int, ...] = ()  # the spelling of the word in progress, as the frames read
@@ -270,6 +283,10 @@ class FlashlightCtcDecoder:
         ``ids`` and ``logprobs`` are ``[frames, K]``, best first (``K`` = the vocabulary size gives the full
         distribution); a token outside a frame's top ``K`` gets the ``K``-th log-probability. Word times
         count frames from the first push's ``first_frame``. Returns True if :attr:`text` changed.
+
+        The best path is traced back (and :attr:`text` and :meth:`words` brought up to date) once at least
+        ``trace_frames`` frames have been pushed since the last trace-back, and after a prune; in between a
+        push returns False and the text stays as it was. Finals do not depend on it.
         """
         ids = np.asarray(ids)
         logprobs = np.asarray(logprobs, dtype=np.float32)
@@ -279,7 +296,7 @@ class FlashlightCtcDecoder:
             raise ValueError(f"token ids must be in [0, {self._vocab_size})")
         if self._origin < 0:
             self._origin = first_frame
-        done, frames = 0, len(ids)
+        done, frames, pruned = 0, len(ids), False
         while done < frames:
             # Stop at the pruning point, so that it falls on the same frame however pushes are chunked.
             take = min(frames - done, self._prune_at - self._held)
@@ -287,6 +304,11 @@ class FlashlightCtcDecoder:
             done += take
             if self._held == self._prune_at:
                 self._prune()
+                pruned = True
+        self._untraced += frames
+        if self._untraced < self._trace_frames and not pruned:
+            return False
+        self._untraced = 0
         return self._trace()
 
     def _step(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
@@ -310,7 +332,7 @@ class FlashlightCtcDecoder:
         self._emissions[:kept] = self._emissions[cut : self._held]
         self._best_ids[:kept] = self._best_ids[cut : self._held]
         self._held, self._dropped = kept, self._dropped + cut
-        # Hypothesis indices moved and words were committed: the next trace-back is read whole.
+        # Hypothesis indices moved and words were committed: the next trace-back (in this push) is read whole.
         self._path, self._labels, self._text, self._cache = [], [], None, None
         self._tail, self._known = (-1, 0, [], False, -1), ([], [], [], 0)
 
@@ -323,7 +345,7 @@ class FlashlightCtcDecoder:
             labels = self._labels + [w for w in path[max(len(seen), 1) :] if w >= 0]  # the path only grew
         else:
             labels = [w for w in path[1:] if w >= 0]
-        self._path, self._result = path, result
+        self._path, self._result, self._traced = path, result, self._held
         partial = self._spell_tail(len(path) - 2) if self._guess_partial else ()
         if partial != self._partial:
             self._partial, self._cache = partial, None
@@ -420,10 +442,10 @@ class FlashlightCtcDecoder:
         become), over the frames of its tokens; None when none is shown."""
         if not self._shown:
             return None
-        # Its tokens are the last len(partial) new non-break tokens of the held frames.
-        ids = self._best_ids[: self._held]
+        # Its tokens are the last len(partial) new non-break tokens of the frames traced back.
+        ids = self._best_ids[: self._traced]
         rows: list[int] = []
-        for row in range(self._held - 1, -1, -1):
+        for row in range(self._traced - 1, -1, -1):
             token = int(ids[row])
             if token not in (0, self._space) and (row == 0 or ids[row - 1] != token):
                 rows.append(row)
@@ -433,7 +455,7 @@ class FlashlightCtcDecoder:
         lps = self._emissions[rows, list(self._partial[-len(rows) :])].tolist() if rows else [0.0]
         word = self._shown
         first, ms = self._origin + self._dropped, self.frame_ms
-        start, end = (rows[0], rows[-1] + 1) if rows else (self._held, self._held)
+        start, end = (rows[0], rows[-1] + 1) if rows else (self._traced, self._traced)
         return Word(word, (first + start) * ms, (first + end) * ms, math.exp(sum(lps) / len(lps)))
 
     def finalize(self) -> None:
