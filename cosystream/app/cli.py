@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 
 from cosystream import __version__
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
@@ -262,6 +263,28 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("--words", action="store_true", help="print word time offsets")
     add_connection_args(transcribe)
 
+    admin = commands.add_parser(
+        "admin", help="operator calls to a running server (models)", parents=[after_command]
+    )
+    calls = admin.add_subparsers(dest="call", required=True)
+    load = calls.add_parser(
+        "load", help="load a model directory as NAME: a new version of a served model, or a new model"
+    )
+    load.add_argument(
+        "name", metavar="NAME", help="the name sessions ask for (a served name: a new version of it)"
+    )
+    load.add_argument("directory", metavar="DIR", help="the model directory, as the server's host sees it")
+    unload = calls.add_parser("unload", help="stop serving the model NAME (live sessions finish on it)")
+    unload.add_argument("name", metavar="NAME")
+    for call in (load, unload):
+        call.add_argument(
+            "--server", default="localhost", help="host:port of the server (default: localhost:50051)"
+        )
+        call.add_argument(
+            "--timeout", type=float, default=600.0, help="seconds to wait for the call (default: 600)"
+        )
+        add_connection_args(call)
+
     evaluate = commands.add_parser(
         "eval", help="WER, CER and real-time factor on a test set", parents=[after_command]
     )
@@ -287,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs(args.log_level, args.log_format)
     if args.command == "serve":
         return serve(args)
+    if args.command == "admin":
+        return admin_command(args)
     if args.command == "eval":
         from cosystream.app.evaluate import eval_command
 
@@ -305,6 +330,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.server is None and any(flag for flag in flags):  # ($COSYSTREAM_TOKEN alone is fine in-process)
         sys.exit("cosystream transcribe: --tls, --ca-cert, --client-cert, --client-key and --token need --server")
     return transcribe_command(args.file, args.server, args.realtime, args.interim, args.words, connection)
+
+
+def admin_command(args: argparse.Namespace) -> int:
+    """``cosystream admin load|unload``: one Admin call; what it did printed, or the reason and 1."""
+    import grpc
+
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+    from cosystream.v1.client import describe_error, server_address
+
+    try:
+        connection = connection_from_args(args)
+        address = server_address(args.server)
+        channel = connection.channel(address)
+    except ValueError as err:
+        sys.exit(f"cosystream admin: {err}")
+    stub = pb_grpc.AdminStub(channel)
+    try:
+        if args.call == "load":
+            # (A relative directory is the caller's: the server's working directory is another.)
+            started = time.monotonic()
+            reply = stub.LoadModel(
+                pb.LoadModelRequest(name=args.name, path=os.path.abspath(args.directory)), timeout=args.timeout
+            )
+            model = reply.model
+            print(
+                f"{model.name} version {model.version}{' (the default model)' if model.is_default else ''} "
+                f"serving: loaded and warmed in {reply.load_seconds:.2f} s, installed in "
+                f"{reply.install_seconds * 1e3:.2f} ms (the call took {time.monotonic() - started:.1f} s, the "
+                "decoders made ready included)"
+            )
+        else:
+            stub.UnloadModel(pb.UnloadModelRequest(name=args.name), timeout=args.timeout)
+            print(f"{args.name} unloaded: new sessions asking for it are refused; live ones finish on it")
+    except grpc.RpcError as err:
+        print(
+            f"cosystream admin {args.call}: {describe_error(err.code(), err.details(), connection)}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        channel.close()
+    return 0
 
 
 def security_config(args: argparse.Namespace):

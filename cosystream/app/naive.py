@@ -13,12 +13,12 @@ import time
 import numpy as np
 import torch
 
-from cosystream.engine.ipc import EngineInfo
+from cosystream.engine.ipc import LOAD_FAILED, EngineInfo
 from cosystream.engine.process import model_info, server_info
 from cosystream.engine.scheduler import Priority
 from cosystream.models import ModelSource, load_model
 from cosystream.runtime.runner import GraphMode
-from cosystream.server.engine_client import SessionSink
+from cosystream.server.engine_client import ModelLoadError, SessionSink
 
 
 class NaiveEngine:
@@ -74,7 +74,13 @@ class NaiveEngine:
             return
         self._sinks[key] = sink
         self._caches[key] = self.model.init_caches(1)
-        self._loop.call_soon(sink.on_opened)
+        self._loop.call_soon(sink.on_opened, 0)
+
+    async def load_model(self, name: str, path: str):
+        raise ModelLoadError(LOAD_FAILED, "the naive baseline serves one model: it cannot load another")
+
+    async def unload_model(self, name: str) -> None:
+        raise ModelLoadError("unload", "the naive baseline serves one model: it cannot unload it")
 
     def send_frames(self, key: int, frames: np.ndarray) -> None:
         sink = self._sinks.get(key)

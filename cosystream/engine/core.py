@@ -8,6 +8,12 @@ The core may hold several models (the first is the default): each has its own st
 Slots are numbered across all models (``max_sessions`` is the capacity of the whole engine) and a session
 keeps the same row in its model's slab, so a step of one model's rows hands the scheduler's slots straight
 to that model's runner.
+
+Models can be loaded while serving (``prepare`` in any thread, then ``install`` in the loop's): a model's
+index never changes and is never reused, so a name has a current index (``served``) and, after a new version
+of it was installed, older ones that live sessions still run. A session moves to its name's current version
+at its next RESET (the caches are zeroed there anyway); an index no slot holds any longer, and that is not
+served, is freed (its slab and runner dropped).
 """
 
 from __future__ import annotations
@@ -84,24 +90,41 @@ class EngineCore:
         config: EngineConfig,
         device: torch.device,
         metrics: StepObserver | None = None,
+        names: Sequence[str] | None = None,
     ):
-        """``models``: one model, or several (sessions name one by its index; 0 is the default)."""
-        self.models = [models] if isinstance(models, torch.nn.Module) else list(models)
+        """``models``: one model, or several (sessions name one by its index; 0 is the default), served under
+        ``names`` (None: their indices)."""
+        # Per model index; None once freed.
+        self.models: list[torch.nn.Module | None] = (
+            [models] if isinstance(models, torch.nn.Module) else list(models)
+        )
         if not self.models:
             raise ValueError("the engine needs at least one model")
+        names = [str(i) for i in range(len(self.models))] if names is None else list(names)
+        if len(names) != len(self.models) or len(set(names)) != len(names):
+            raise ValueError("one distinct name per model")
         self.config = config
         self.device = device
         self.metrics = metrics
-        runner_config = RunnerConfig(
+        self.runner_config = runner_config = RunnerConfig(
             max_batch=config.max_batch,
             frame_buckets=config.frame_buckets,
             graph_mode=config.graph_mode,
             top_k=config.top_k,
         )
         # Every slab has a row per engine slot: a session may be on any model.
-        self.slabs = [StateSlab(m.cache_specs(), config.max_sessions, device=device) for m in self.models]
-        self.runners = [Runner(m, slab, runner_config) for m, slab in zip(self.models, self.slabs, strict=True)]
-        self.model, self.slab, self.runner = self.models[0], self.slabs[0], self.runners[0]  # the default's
+        self.slabs: list[StateSlab | None] = [
+            StateSlab(m.cache_specs(), config.max_sessions, device=device) for m in self.models
+        ]
+        self.runners: list[Runner | None] = [
+            Runner(m, slab, runner_config) for m, slab in zip(self.models, self.slabs, strict=True)
+        ]
+        self.names = names  # per model index, the name it is (or was) served under
+        self.served: dict[str, int] = {name: index for index, name in enumerate(names)}  # the default first
+        self._holders = [0] * len(self.models)  # per model index, the slots on it
+        # Per slot: reset (or opened) and given no frame since, so it can move to a new version right away.
+        self._fresh = bytearray(config.max_sessions)
+        self.model, self.slab, self.runner = self.models[0], self.slabs[0], self.runners[0]  # the default's now
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_sessions=config.max_sessions,
@@ -124,6 +147,9 @@ class EngineCore:
         self._slot_of: dict[tuple[int, int], int] = {}
         self._outbox: dict[int, ipc.ToFrontend] = {}
         self._listening: set[int] = set()  # frontends whose gRPC port is open
+        self.freed_models = 0  # model versions freed since start-up (replaced or unloaded, and unused)
+        self.model_changes = 0  # counts installs, unloads and frees: frontends are told when it moves
+        self.admin_ops: list[tuple[int, tuple]] = []  # (frontend, LOAD, UNLOAD or PREPARED op): the process's
 
     # --- frontend messages -----------------------------------------------------------------------
 
@@ -139,7 +165,7 @@ class EngineCore:
             elif kind == ipc.RESET:
                 slot = self._slot_of.get((frontend, key))
                 if slot is not None:
-                    self.slabs[self._model_of[slot]].reset(slot)
+                    self._reset(frontend, key, slot)
             elif kind == ipc.CLOSE:
                 slot = self._slot_of.pop((frontend, key), None)
                 if slot is not None:
@@ -147,6 +173,8 @@ class EngineCore:
                     self.scheduler.remove(slot)
             elif kind == ipc.LISTENING:
                 self._listening.add(frontend)
+            elif kind in (ipc.LOAD, ipc.UNLOAD, ipc.PREPARED):
+                self.admin_ops.append((frontend, op))
         for key, frames in message.runs():
             slot = self._slot_of.get((frontend, key))
             if slot is not None:
@@ -163,9 +191,14 @@ class EngineCore:
         self._outbox.pop(frontend, None)
 
     def _open(self, frontend: int, key: int, priority: Priority, model: int) -> None:
-        if not 0 <= model < len(self.models):  # (frontends check names against the HELLO's models)
-            self._box(frontend).events.append((ipc.REJECTED, key, f"no model {model} in this engine"))
+        # A frontend names the index its latest models list gave; one replaced since gets the current version
+        # (OPENED says which), one unloaded since is refused.
+        current = self.served.get(self.names[model]) if 0 <= model < len(self.names) else None
+        if current is None:
+            what = f"model {self.names[model]!r} is no longer served" if 0 <= model < len(self.names) else ""
+            self._box(frontend).events.append((ipc.REJECTED, key, what or f"no model {model} in this engine"))
             return
+        model = current
         try:
             shed = self.scheduler.admit(priority)
         except AdmissionError as err:
@@ -184,16 +217,117 @@ class EngineCore:
         self._owner[slot] = (frontend, key)
         self._priority[slot] = priority
         self._model_of[slot] = model
+        self._holders[model] += 1
+        self._fresh[slot] = 1
         self._slot_of[(frontend, key)] = slot
-        self._box(frontend).events.append((ipc.OPENED, key))
+        self._box(frontend).events.append((ipc.OPENED, key, model))
+
+    def _reset(self, frontend: int, key: int, slot: int) -> None:
+        """A new utterance: zeroed caches, on the current version of the session's model."""
+        self.slabs[self._model_of[slot]].reset(slot)
+        self._fresh[slot] = 1
+        self._move_to_current(frontend, key, slot)
+
+    def _move_to_current(self, frontend: int, key: int, slot: int) -> None:
+        """Between utterances: a session of a replaced version goes on with the current one."""
+        model = self._model_of[slot]
+        current = self.served.get(self.names[model])
+        if current is None or current == model:
+            return
+        self.slabs[current].reset(slot)  # (rows no session holds are zero already: this is cheap insurance)
+        self._model_of[slot] = current
+        self._holders[current] += 1
+        self.scheduler.move(slot, current)
+        # Before any result of its next utterance (events precede results, and nothing of this session is in
+        # flight): the frontend decodes those with the new version.
+        self._box(frontend).events.append((ipc.MOVED, key, current))
+        self._drop_holder(model)
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
         self.queue.clear(slot)
-        self.slabs[self._model_of[slot]].reset(slot)  # zeroed for the next session on it
+        model = self._model_of[slot]
+        self.slabs[model].reset(slot)  # zeroed for the next session on it
         self._free.append(slot)
+        self._drop_holder(model)
+
+    def _drop_holder(self, model: int) -> None:
+        self._holders[model] -= 1
+        if self._holders[model] == 0 and self.served.get(self.names[model]) != model:
+            self._free_model(model)
+
+    # --- models loaded while serving -------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module) -> Runner:
+        """A runner for ``model`` over a slab of its own, graphs captured on CUDA: what :meth:`install`
+        takes. Touches nothing of the core's state, so it may run in another thread while the loop steps
+        (with that thread on a CUDA stream of its own)."""
+        slab = StateSlab(model.cache_specs(), self.config.max_sessions, device=self.device)
+        runner = Runner(model, slab, self.runner_config)
+        if runner.batch_buckets != self.runner.batch_buckets:
+            raise ValueError("a model's batch buckets must be the engine's")  # (same slab size: cannot happen)
+        return runner
+
+    def install(self, name: str, runner: Runner) -> tuple[int, int | None]:
+        """Serve ``runner``'s model as ``name``, from now on, for new sessions (and for live sessions of an
+        older version of ``name`` from their next utterance); in the loop's thread. Returns its index and the
+        index it replaced (None: a new name). O(1) but for freeing a replaced version no session holds."""
+        index = len(self.models)
+        previous = self.served.get(name)
+        self.models.append(runner.model)
+        self.slabs.append(runner.slab)
+        self.runners.append(runner)
+        self.names.append(name)
+        self._holders.append(0)
+        added = self.scheduler.add_model(previous)
+        assert added == index, (added, index)
+        self.served[name] = index
+        self.model_changes += 1
+        if index == next(iter(self.served.values())):
+            self.model, self.slab, self.runner = runner.model, runner.slab, runner
+        if previous is not None and self._holders[previous] == 0:
+            self._free_model(previous)
+        return index, previous
+
+    def move_idle(self, model: int) -> int:
+        """Move the sessions of the replaced version ``model`` that are between utterances (reset, and no
+        frame since) to the current version now, not at their next RESET; how many moved. O(slots)."""
+        moved = 0
+        for slot, fresh in enumerate(self._fresh):
+            owner = self._owner[slot]
+            if fresh and owner is not None and self._model_of[slot] == model:
+                self._move_to_current(owner[0], owner[1], slot)
+                moved += 1
+        return moved
+
+    def unload(self, name: str) -> int:
+        """Stop serving ``name``: new sessions asking for it are refused, live ones finish on it (it is freed
+        after the last). Returns its index; raises ``KeyError`` for a name not served, ``ValueError`` for the
+        default model."""
+        index = self.served[name]
+        if index == next(iter(self.served.values())):
+            raise ValueError(f"{name!r} is the default model: it cannot be unloaded (load a new version instead)")
+        del self.served[name]
+        self.model_changes += 1
+        if self._holders[index] == 0:
+            self._free_model(index)
+        return index
+
+    def _free_model(self, index: int) -> None:
+        log.info(
+            "model %s (index %d) freed: no session runs it and it is no longer served", self.names[index], index
+        )
+        self.models[index] = self.slabs[index] = self.runners[index] = None
+        self.freed_models += 1
+        self.model_changes += 1
+
+    @property
+    def held_models(self) -> list[int]:
+        """The model indices the engine holds (served, or still run by a session)."""
+        return [index for index, model in enumerate(self.models) if model is not None]
 
     def _enqueue(self, slot: int, frames: np.ndarray, arrival_s: float) -> None:
+        self._fresh[slot] = 0
         # Frontends keep fewer frames than the queue holds in flight per session: a frame that does not fit
         # is a frontend bug, not load (FrameQueue.push drops it rather than stop every session).
         self.scheduler.add_frames(slot, self.queue.push(slot, frames), arrival_s)

@@ -27,26 +27,49 @@ from cosystream.models.contract import FRAME_SAMPLES
 class Op(IntEnum):
     """Control ops, frontend -> engine: ``(op, key, ...)`` tuples in ``ToEngine.ops``."""
 
-    OPEN = 0  # (OPEN, key, priority, model): model, an index into EngineInfo.models (absent: 0, the default)
-    RESET = 1  # (RESET, key): zero the session's model state; sent only when none of its frames is in flight
+    # (OPEN, key, priority, model): model, a ModelInfo.id of EngineInfo.models (absent: 0, the default)
+    OPEN = 0
+    # (RESET, key): zero the session's model state; sent only when none of its frames is in flight. A session
+    # of a model replaced since its last utterance moves to the new version here (MOVED says so).
+    RESET = 1
     CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
     LISTENING = 3  # (LISTENING, 0): this frontend's gRPC port is open (the server is SERVING once all are)
+    # (LOAD, request, name, path): load the model directory ``path`` and serve it as ``name`` (a new
+    # version of a model served, or a new one); answered LOADED. ``request``: a number the frontend chooses.
+    LOAD = 4
+    UNLOAD = 5  # (UNLOAD, request, name): stop serving ``name``; answered UNLOADED
+    # (PREPARED, request, error): the answer to PREPARE: this frontend can decode the model ("") or why not
+    PREPARED = 6
 
 
 class Event(IntEnum):
     """Events, engine -> frontend: ``(event, ...)`` tuples in ``ToFrontend.events``."""
 
     HELLO = 10  # (HELLO, info: EngineInfo): the engine is warm; sent once per frontend
-    OPENED = 11  # (OPENED, key)
+    OPENED = 11  # (OPENED, key, model): the model id it runs on (the current version of the one OPEN named)
     REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
     SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
     # (ACTIVE, sessions, listening): slots held on the engine, all frontends, and how many frontends are
     # connected and listening; sent to every frontend when either changes
     ACTIVE = 14
+    # (MODELS, models, held): the models served changed (EngineInfo.models' new value), or ``held``, how many
+    # model versions the engine holds (served, or still run by a live session); sent to every frontend, before
+    # any OPENED or MOVED that names a new model id
+    MODELS = 15
+    MOVED = 16  # (MOVED, key, model): the session runs on model id ``model`` from its new utterance on
+    # (LOADED, request, model: ModelInfo | None, failure, error, install_s, load_s): the answer to LOAD, once
+    # the model serves (``failure`` ""), or why not: ``failure`` is LOAD_FAILED, UNDECODABLE or BUSY and
+    # ``error`` says why in a line. ``load_s``: loading and warming it; ``install_s``: installing it in the loop
+    LOADED = 17
+    UNLOADED = 18  # (UNLOADED, request, error): the answer to UNLOAD ("" once done)
+    # (PREPARE, request, model: ModelInfo): a model is loaded and warm, not yet served; every frontend makes
+    # ready to decode it and answers PREPARED. It is installed once all can.
+    PREPARE = 19
 
 
-OPEN, RESET, CLOSE, LISTENING = Op
-HELLO, OPENED, REJECTED, SHED, ACTIVE = Event
+OPEN, RESET, CLOSE, LISTENING, LOAD, UNLOAD, PREPARED = Op
+HELLO, OPENED, REJECTED, SHED, ACTIVE, MODELS, MOVED, LOADED, UNLOADED, PREPARE = Event
+LOAD_FAILED, UNDECODABLE, BUSY = "load_failed", "undecodable", "busy"  # LOADED's failures
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +86,13 @@ class ModelInfo:
     parameters: int
     output_delay_frames: int
     precision: str  # the weights' dtype, e.g. "float32"
+    id: int = 0  # the engine's index of this version (OPEN names it); never reused for another
 
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """What the engine tells each frontend in its HELLO: its models (the first is the default; OPEN names
-    one by its index here) and device (GetServerInfo shows them), its capacity, shared by every model, and
+    """What the engine tells each frontend in its HELLO: the models it serves (the first is the default; OPEN
+    names one by its ``id``; a MODELS event replaces the tuple when a model is loaded or unloaded) and device (GetServerInfo shows them), its capacity, shared by every model, and
     ``top_k``, the token candidates it sends per frame (a text decoder reads at most that many). Nothing
     about text decoding: the frontends choose that."""
 
@@ -77,6 +101,7 @@ class EngineInfo:
     max_sessions: int
     graph_mode: str
     top_k: int
+    held_models: int = 0  # model versions the engine holds: those served, and older ones live sessions run
 
     # The default model's fields, for the code that serves only the default.
     @property
@@ -100,7 +125,7 @@ class EngineInfo:
         return self.models[0].output_delay_frames
 
     def model_index(self, name: str) -> int | None:
-        """The index of the model named ``name`` ("" or "default": 0), or None when none is."""
+        """The position in ``models`` of the model named ``name`` ("" or "default": 0), or None when none is."""
         if name in ("", "default"):
             return 0
         for index, model in enumerate(self.models):

@@ -3,6 +3,9 @@
 Frontends connect over a Unix socket (``multiprocessing.connection``). The loop: read what arrived
 (without waiting while there is work), run one scheduled step, send each frontend one message with its
 results. Realtime frames that arrive during a batch step are picked up before the next step.
+
+A model loaded while serving (a frontend's LOAD, from the Admin service) is loaded and warmed beside the
+others while the loop goes on stepping, then installed between two steps (``model_swap.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +28,15 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.model_swap import ModelLoader, admin, announce_models
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
-from cosystream.models.loading import ModelSource, content_version, model_sources, vocabulary_kind
+from cosystream.models.loading import (
+    ModelSource,
+    content_version,
+    model_sources,
+    vocabulary_kind,
+)
 from cosystream.runtime.runner import GraphMode, Runner
 
 log = logging.getLogger(__name__)
@@ -208,7 +217,7 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     started = time.perf_counter()
     sources = config.models or model_sources([])
     models = [load_model(source.path, device=device) for source in sources]
-    core = EngineCore(models, engine_config, device, EngineMetrics())
+    core = EngineCore(models, engine_config, device, EngineMetrics(), [source.name for source in sources])
     warm_up(core)
     log.info(
         "engine ready on %s in %.1f s: %d slots, batch buckets %s, %s; %s",
@@ -225,10 +234,10 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
 def warm_up(core: EngineCore) -> None:
     """Run every (bucket, T) shape of every model once on its scratch slot, so no first request pays for it."""
     for runner in core.runners:
-        _warm_up(runner)
+        warm_up_runner(runner)
 
 
-def _warm_up(runner: Runner) -> None:
+def warm_up_runner(runner: Runner) -> None:
     scratch = runner.slab.scratch_slot
     with torch.no_grad():
         for frames in runner.config.frame_buckets:
@@ -276,14 +285,32 @@ def server_info(
 
 def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener, stop: threading.Event) -> None:
     sources = config.models or model_sources([])
+    # Per model index, as the frontends see it (None once freed).
+    infos: list[ipc.ModelInfo | None] = [
+        dataclasses.replace(model_info(m, s), id=index)
+        for index, (m, s) in enumerate(zip(core.models, sources, strict=True))
+    ]
     info = server_info(
         core.model,
         core.device,
         config.engine.max_sessions,
         core.runner.config.graph_mode,
         core.runner.top_k,
-        [model_info(m, s) for m, s in zip(core.models, sources, strict=True)],
+        infos,
     )
+    info = dataclasses.replace(info, held_models=len(core.held_models))
+
+    def build(name: str, path: str) -> tuple[Runner, ipc.ModelInfo]:
+        from cosystream.models import load_model
+
+        use_device(core.device)  # (the current CUDA device is per thread)
+        model = load_model(path, device=core.device)
+        runner = core.prepare(model)
+        warm_up_runner(runner)
+        return runner, model_info(model, ModelSource(name, path))
+
+    loader = ModelLoader(core, build)
+    model_changes = core.model_changes
     incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
     threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()
     frontends: dict[Connection, int] = {}
@@ -307,10 +334,17 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    core.disconnect(frontends.pop(conn))
+                    core.disconnect(frontend := frontends.pop(conn))
+                    loader.forget(frontend)
                     conn.close()
                     continue
                 core.handle(frontends[conn], message)
+            if core.admin_ops or not loader.done.empty() or (loader.preparing and not loader.waiting):
+                info = admin(core, loader, info, infos, frontends)
+            if core.model_changes != model_changes:
+                # (Before the step: nothing the frontends get may name a model id they have not been told of.)
+                model_changes = core.model_changes
+                info = announce_models(core, info, infos, frontends.values())
             core.step()
             counts = (core.session_count, core.listening_frontends)
             if frontends and counts != announced:
@@ -326,7 +360,8 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                         try:
                             conn.send(box.pack())
                         except OSError:
-                            core.disconnect(frontends.pop(conn))
+                            core.disconnect(frontend := frontends.pop(conn))
+                            loader.forget(frontend)
             now = time.monotonic()
             if now - last_metrics > METRICS_PERIOD_S:
                 last_metrics = now

@@ -25,6 +25,8 @@ Policy (the scheduler contract in README.md, "How it works"):
 - Several models: every session runs on one (``add(slot, priority, model)``); a step's rows are all of one
   model, so the T-groups above are (model, T) groups, one round-robin over the sessions of every model.
   Step costs are measured per model. With one model (the usual case) nothing of this costs anything.
+  A model loaded while serving (a new version beside the old) gets an index of its own, ``add_model()``;
+  a session moves to it between utterances, ``move(slot, model)``.
 - Admission: at most ``max_sessions`` sessions, of all models together. `admit()` is asked *before* the engine allocates a slot
   (a full engine has no free slot to offer): on a full engine a REALTIME request sheds the most recently
   admitted BATCH session, anything else gets `AdmissionError`.
@@ -240,14 +242,36 @@ class Scheduler:
             raise ValueError(f"slot {slot} out of range [0, {self.config.max_sessions})")
         if self._sessions[slot] is not None:
             raise ValueError(f"slot {slot} already has a session")
-        if not 0 <= model < self.config.models:
-            raise ValueError(f"model {model} out of range [0, {self.config.models})")
+        if not 0 <= model < self.models:
+            raise ValueError(f"model {model} out of range [0, {self.models})")
         priority = Priority(priority)
         self._sessions[slot] = _Session(priority, model)
         self._num_active += 1
         if priority == Priority.BATCH:
             self._batch_admitted[slot] = None
         self.stats.admitted += 1
+
+    @property
+    def models(self) -> int:
+        """How many model indices there are: ``config.models`` plus those added while serving."""
+        return len(self._cost_s)
+
+    def add_model(self, costs_from: int | None = None) -> int:
+        """One more model index (a model loaded while serving); returns it. Its step costs start as those
+        measured for ``costs_from`` (a new version of a model steps like the old one), else unmeasured."""
+        self._cost_s.append({} if costs_from is None else dict(self._cost_s[costs_from]))
+        self._fit.append(None)
+        self._fit_dirty.append(True)
+        return len(self._cost_s) - 1
+
+    def move(self, slot: int, model: int) -> None:
+        """Run the session on ``slot`` on model ``model`` from its next step (between utterances)."""
+        s = self._sessions[slot] if 0 <= slot < self.config.max_sessions else None
+        if s is None:
+            raise ValueError(f"no session on slot {slot}")
+        if not 0 <= model < self.models:
+            raise ValueError(f"model {model} out of range [0, {self.models})")
+        s.model = model
 
     def remove(self, slot: int) -> bool:
         """Forget the session on ``slot`` and its pending frames, in O(1). False if none was there."""
@@ -345,7 +369,7 @@ class Scheduler:
         sessions, table, cap = self._sessions, self._rt_frames, self.config.realtime_max_frames
         window = list(islice(self._ready_rt, self.config.max_batch))
         ts = []  # per row, its group: T, or T + model * stride with several models
-        if self.config.models == 1:
+        if len(self._cost_s) == 1:
             for slot in window:
                 p = sessions[slot].pending
                 ts.append(table[p if p < cap else cap])

@@ -50,7 +50,9 @@ class CudaGraphs:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a model loaded while serving is captured in a loader thread while the engine's loop
+        # goes on stepping (and syncing) in its own; "global" would make the loop's calls fail the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = fn()
         self._graphs[key] = graph
         self._outputs[key] = output

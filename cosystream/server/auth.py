@@ -50,7 +50,7 @@ UNAUTHENTICATED_HELP = (
 @dataclass(frozen=True, slots=True)
 class Token:
     """One line of the tokens file. ``priorities`` None: any; ``max_sessions`` None: no quota;
-    ``admin``: reserved for operator calls (none needs it yet)."""
+    ``admin``: may make operator calls (the Admin service: loading and unloading models)."""
 
     name: str
     digest: bytes  # SHA-256 of the secret

@@ -5,15 +5,20 @@ iteration goes to the engine as one message (the flush is scheduled with ``call_
 writes the messages: while the engine is in a long step its socket buffer can fill, and a blocking send on
 the event loop would stall every stream of this frontend. Messages from the engine are read when the
 socket is readable and dispatched to the sessions by key.
+
+Models loaded while serving: ``load_model``/``unload_model`` ask the engine and await its answer. Before a
+loaded model serves, the engine asks every frontend to make ready to decode it (``on_prepare``); once it
+serves, ``info`` is replaced (``on_models``) before any session is told it runs on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Client, Connection
 from typing import Protocol, runtime_checkable
 
@@ -26,7 +31,13 @@ log = logging.getLogger(__name__)
 
 
 class SessionSink(Protocol):
-    def on_opened(self) -> None: ...
+    def on_opened(self, model: int) -> None:
+        """The session has a slot and runs on model id ``model``."""
+        ...
+
+    def on_moved(self, model: int) -> None:
+        """From its next utterance (nothing of it has results yet) the session runs on model id ``model``."""
+        ...
 
     def on_refused(self, message: str, shed: bool) -> None: ...
 
@@ -59,7 +70,15 @@ class Engine(Protocol):
     def new_key(self) -> int: ...
 
     def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
-        """Open session ``key`` on model ``model`` (an index into ``info.models``; 0, the default)."""
+        """Open session ``key`` on model ``model`` (a ``ModelInfo.id`` of ``info.models``; 0, the default)."""
+        ...
+
+    async def load_model(self, name: str, path: str) -> LoadResult:
+        """Serve the model directory ``path`` as ``name``; raises :class:`ModelLoadError`."""
+        ...
+
+    async def unload_model(self, name: str) -> None:
+        """Stop serving ``name``; raises :class:`ModelLoadError`."""
         ...
 
     def send_frames(self, key: int, frames: np.ndarray) -> None: ...
@@ -67,6 +86,22 @@ class Engine(Protocol):
     def reset(self, key: int) -> None: ...
 
     def close(self, key: int) -> None: ...
+
+
+class ModelLoadError(Exception):
+    """A load or unload the engine refused: ``failure`` (``ipc.LOAD_FAILED``, ``UNDECODABLE``, ``BUSY``, or
+    ``"unload"``) and the message saying why."""
+
+    def __init__(self, failure: str, message: str):
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadResult:
+    model: ipc.ModelInfo
+    load_s: float  # loading and warming it, beside the models served
+    install_s: float  # what installing it cost the engine's loop
 
 
 CONNECT_RETRY_S = 0.05
@@ -83,6 +118,12 @@ class EngineClient:
         self.authkey = authkey
         self.info: ipc.EngineInfo | None = None  # from the engine's HELLO
         self.on_change: Callable[[], None] | None = None
+        # Make ready to decode a model the engine loaded (before it serves): "" or why it cannot be decoded.
+        self.on_prepare: Callable[[ipc.ModelInfo], Awaitable[str]] | None = None
+        self.on_models: Callable[[ipc.EngineInfo], None] | None = None  # ``info`` changed (MODELS, a new HELLO)
+        self._requests: dict[int, asyncio.Future] = {}  # LOAD / UNLOAD awaiting the engine's answer
+        self._next_request = 0
+        self._tasks: set[asyncio.Task] = set()
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sinks: dict[int, SessionSink] = {}
@@ -117,7 +158,10 @@ class EngineClient:
         except BaseException:
             conn.close()
             raise
+        renewed = self.info is not None
         self.info = info
+        if renewed and self.on_models is not None:  # (a restarted engine: its models as it started them)
+            self.on_models(info)
         self._conn = conn
         self._loop.add_reader(conn.fileno(), self._on_readable)
         self._outgoing = queue.SimpleQueue()
@@ -204,6 +248,46 @@ class EngineClient:
             self._pending.ops.append((ipc.CLOSE, key))
             self._schedule_flush()
 
+    async def load_model(self, name: str, path: str) -> LoadResult:
+        failure, error, model, install_s, load_s = await self._request(ipc.LOAD, name, path)
+        if failure:
+            raise ModelLoadError(failure, error)
+        return LoadResult(model, load_s, install_s)
+
+    async def unload_model(self, name: str) -> None:
+        (error,) = await self._request(ipc.UNLOAD, name)
+        if error:
+            raise ModelLoadError("unload", error)
+
+    async def _request(self, op: int, *args) -> tuple:
+        if not self.connected:
+            raise ModelLoadError(ipc.BUSY, "the engine is restarting; retry in a moment")
+        self._next_request += 1
+        request = self._next_request
+        future = self._loop.create_future()
+        self._requests[request] = future
+        try:
+            self._pending.ops.append((op, request, *args))
+            self._schedule_flush()
+            return await future
+        finally:
+            self._requests.pop(request, None)
+
+    async def _prepare(self, request: int, model: ipc.ModelInfo) -> None:
+        try:
+            error = "" if self.on_prepare is None else await self.on_prepare(model)
+        except Exception as err:  # (on_prepare says why itself; this is a bug's last resort)
+            log.exception("preparing to decode model %s failed", model.name)
+            error = str(err) or type(err).__name__
+        if self.connected:
+            self._pending.ops.append((ipc.PREPARED, request, error))
+            self._schedule_flush()
+
+    def _answer(self, request: int, *answer) -> None:
+        future = self._requests.get(request)
+        if future is not None and not future.done():
+            future.set_result(answer)
+
     @property
     def active_sessions(self) -> int:
         """Sessions holding an engine slot, from every frontend (as of the engine's last message)."""
@@ -240,18 +324,24 @@ class EngineClient:
             self._lost()
             return
         for event in box.events:
-            if event[0] == ipc.ACTIVE:
+            kind = event[0]
+            if kind == ipc.ACTIVE:
                 self._engine_sessions, self._listening_frontends = event[1], event[2]
                 self._changed()
+                continue
+            if kind >= ipc.MODELS and kind != ipc.MOVED:
+                self._model_event(event)
                 continue
             sink = self._sinks.get(event[1])
             if sink is None:
                 continue
-            if event[0] == ipc.OPENED:
-                sink.on_opened()
-            elif event[0] in (ipc.REJECTED, ipc.SHED):
+            if kind == ipc.OPENED:
+                sink.on_opened(event[2])
+            elif kind == ipc.MOVED:
+                sink.on_moved(event[2])
+            elif kind in (ipc.REJECTED, ipc.SHED):
                 self._sinks.pop(event[1], None)
-                sink.on_refused(event[2], shed=event[0] == ipc.SHED)
+                sink.on_refused(event[2], shed=kind == ipc.SHED)
         for key, row_ids, row_logprobs, q, c in zip(
             box.keys, box.ids, box.logprobs, box.queue_s, box.compute_s, strict=True
         ):
@@ -259,9 +349,28 @@ class EngineClient:
             if sink is not None:
                 sink.on_results(row_ids, row_logprobs, q, c)
 
+    def _model_event(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == ipc.MODELS:
+            self.info = dataclasses.replace(self.info, models=event[1], held_models=event[2])
+            if self.on_models is not None:
+                self.on_models(self.info)
+        elif kind == ipc.PREPARE:
+            task = self._loop.create_task(self._prepare(event[1], event[2]))
+            self._tasks.add(task)  # (the loop keeps only a weak reference)
+            task.add_done_callback(self._tasks.discard)
+        elif kind == ipc.LOADED:
+            _, request, model, failure, error, install_s, load_s = event
+            self._answer(request, failure, error, model, install_s, load_s)
+        elif kind == ipc.UNLOADED:
+            self._answer(event[1], event[2])
+
     def _lost(self) -> None:
         if self._conn is None:
             return  # (the sender and the reader both saw it)
+        for future in self._requests.values():
+            if not future.done():
+                future.set_exception(ModelLoadError(ipc.BUSY, "the engine process stopped; retry once it is back"))
         sinks, self._sinks = self._sinks, {}
         self._engine_sessions = self._listening_frontends = 0
         self._pending = ipc.ToEngine()

@@ -9,6 +9,8 @@ the first ``await``: a cancel, a rejection or an error at any point frees it.
 
 A stream runs on the model its config names (the default when it names none), with that model's own decoder
 (its vocabulary, lexicon and language model) and output delay; every result names the model and its version.
+A model loaded while serving gets its decoder before it serves (``model_decoders.py``); a session moved to a
+new version of its model between utterances decodes the next ones with the new version's decoder.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import grpc
 from cosystream import __version__
 from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
-from cosystream.decoding.config import DecoderConfig, DecoderFactory
+from cosystream.decoding.config import DecoderConfig
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.metrics import FrontendMetrics
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
+from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.session import Session, SessionConfig
@@ -110,6 +113,23 @@ def validate_config(config: pb.StreamingConfig, info: EngineInfo, defaults: Endp
     )
 
 
+def model_message(model: ModelInfo, is_default: bool) -> pb.ModelInfo:
+    """A served model as GetServerInfo and Admin.LoadModel describe it."""
+    return pb.ModelInfo(
+        name=model.name,
+        language=model.language,
+        sample_rate_hz=SAMPLE_RATE_HZ,
+        frame_ms=FRAME_MS,
+        parameters=model.parameters,
+        vocabulary=model.vocabulary,
+        is_default=is_default,
+        version=model.version,
+        vocabulary_kind=model.vocabulary_kind,
+        output_delay_ms=model.output_delay_frames * FRAME_MS,
+        precision=model.precision,
+    )
+
+
 @dataclass(slots=True)
 class _Abort:
     code: grpc.StatusCode
@@ -159,11 +179,12 @@ class _Stream:
         metrics = servicer.metrics
         priority_label = config.priority.name.lower()
         model: ModelInfo = servicer.info.models[config.model]
+        self.model_id = model.id  # the engine's id of the model version it runs
         self.session = Session(
             self.key,
             self.session_id,
             config,
-            servicer.decoders[config.model](),
+            servicer.models.decoder(model)(),
             self.engine,
             self.responses.put,
             max_in_flight_frames=servicer.options.max_in_flight_frames,
@@ -182,8 +203,23 @@ class _Stream:
         self.last_request_s = time.monotonic()
 
     # SessionSink, called by the engine client.
-    def on_opened(self) -> None:
+    def on_opened(self, model: int) -> None:
         log.debug("session %s has an engine slot", self.session_id)
+        if model != self.model_id:  # (replaced since the stream was accepted: the engine gave the new version)
+            self.on_moved(model)
+
+    def on_moved(self, model: int) -> None:
+        info = self.servicer.model_by_id(model)
+        if info is None:  # (the engine announces a model before it names it: a bug)
+            log.error(
+                "session %s: moved to model id %d, which this frontend was not told of", self.session_id, model
+            )
+            self._fail(grpc.StatusCode.INTERNAL, "the server lost track of its models")
+            return
+        self.model_id = model
+        self.session.use_model(
+            self.servicer.models.decoder(info)(), info.name, info.version, info.output_delay_frames
+        )
 
     def on_refused(self, message: str, shed: bool) -> None:
         self.servicer.metrics.rejected("shed" if shed else "full")
@@ -356,28 +392,21 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.token_sessions = token_sessions or TokenSessions()
         self.options = options
         self.metrics = metrics or FrontendMetrics()
-        self.info = engine.info
-        # Per model (by index), what makes its sessions' decoders; models alike share one (and its LM).
-        self.decoders: list[DecoderFactory] = []
-        factories: dict[tuple, DecoderFactory] = {}
-        resolved = dict(options.decoders)
-        for model in self.info.models:
-            decoder = resolved.get(model.name) or options.decoder.resolve(model.path)
-            if decoder.top_k > self.info.top_k:
-                raise ValueError(
-                    f"the {decoder.kind} decoder reads {decoder.top_k} token candidates per frame, but "
-                    f"the engine sends {self.info.top_k} (EngineConfig.top_k)"
-                )
-            key = (decoder, tuple(model.vocabulary))
-            if key not in factories:
-                factories[key] = DecoderFactory(decoder, model.vocabulary)
-            self.decoders.append(factories[key])
+        self.models = ModelDecoders(engine, options.decoder, options.decoders)
         self.draining = False
         self._streams: set[_Stream] = set()
 
     @property
+    def info(self) -> EngineInfo:
+        """The engine's models and capacity, as of its last word (models change when one is loaded)."""
+        return self.engine.info
+
+    @property
     def active_streams(self) -> int:
         return len(self._streams)
+
+    def model_by_id(self, model: int) -> ModelInfo | None:
+        return next((m for m in self.info.models if m.id == model), None)
 
     async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig:
         """The stream's validated config; raises :class:`_Refused` saying why not."""
@@ -439,7 +468,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 "" if stream.token is None else f" token {stream.token.name}",
                 extra={"session_id": stream.session_id},
             )
-            self.engine.open(stream.key, config.priority, stream, config.model)
+            self.engine.open(stream.key, config.priority, stream, stream.model_id)
             # The config is accepted: say so at once (clients may wait for this before sending audio).
             await context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
             stream.start(requests)
@@ -474,22 +503,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         defaults = self.options.default_endpointing
         return pb.ServerInfo(
             version=__version__,
-            models=[
-                pb.ModelInfo(
-                    name=model.name,
-                    language=model.language,
-                    sample_rate_hz=SAMPLE_RATE_HZ,
-                    frame_ms=FRAME_MS,
-                    parameters=model.parameters,
-                    vocabulary=model.vocabulary,
-                    is_default=index == 0,
-                    version=model.version,
-                    vocabulary_kind=model.vocabulary_kind,
-                    output_delay_ms=model.output_delay_frames * FRAME_MS,
-                    precision=model.precision,
-                )
-                for index, model in enumerate(info.models)
-            ],
+            models=[model_message(model, is_default=index == 0) for index, model in enumerate(info.models)],
             encodings=[pb.LINEAR16, pb.MULAW, pb.ALAW],
             min_sample_rate_hz=MIN_INPUT_RATE_HZ,
             max_sample_rate_hz=MAX_INPUT_RATE_HZ,
@@ -502,6 +516,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 vad_aggressiveness=defaults.vad_aggressiveness,
             ),
             frontends=self.engine.listening_frontends,  # live: those connected to the engine and listening
+            loaded_model_versions=info.held_models or len(info.models),
         )
 
     async def drain(self, grace_s: float, final_wait_s: float = 5.0) -> None:

@@ -44,7 +44,7 @@ class SessionConfig:
     interim_results: bool
     endpointing: EndpointingConfig
     word_time_offsets: bool
-    model: int = 0  # which of the engine's models (an index into EngineInfo.models)
+    model: int = 0  # which of the engine's models (a position in EngineInfo.models when validated)
 
 
 class EngineLink:
@@ -144,6 +144,18 @@ class Session:
         self._pad_frames_sent = 0  # and frames of end-of-utterance silence (kept <= the audio)
         self._last_queue_s = 0.0
         self._last_compute_s = 0.0
+
+    def use_model(
+        self, decoder: CtcDecoder | BeamCtcDecoder, name: str, version: str, output_delay_frames: int
+    ) -> None:
+        """Decode with ``decoder`` from now on, and name ``name``/``version`` on results: the engine moved the
+        session to a new version of its model, from an utterance none of whose results has come yet."""
+        utterance = self._utterance
+        if utterance is not None and utterance.received:
+            log.warning("session %s: model changed inside an utterance", self.session_id)
+        self._ctc = decoder
+        self.model_name, self.model_version = name, version
+        self.output_delay_frames = output_delay_frames
 
     # --- input -----------------------------------------------------------------------------------
 

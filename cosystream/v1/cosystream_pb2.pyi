@@ -27,6 +27,34 @@ PRIORITY_UNSPECIFIED: Priority
 REALTIME: Priority
 BATCH: Priority
 
+class LoadModelRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("model", "load_seconds", "install_seconds")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    load_seconds: float
+    install_seconds: float
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., load_seconds: _Optional[float] = ..., install_seconds: _Optional[float] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StreamingRecognizeRequest(_message.Message):
     __slots__ = ("config", "audio", "control")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -168,7 +196,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends")
+    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +207,7 @@ class ServerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_ENDPOINTING_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_MODEL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     version: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     encodings: _containers.RepeatedScalarFieldContainer[AudioEncoding]
@@ -189,7 +218,8 @@ class ServerInfo(_message.Message):
     device: str
     default_endpointing: EndpointingConfig
     frontends: int
-    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ...) -> None: ...
+    loaded_model_versions: int
+    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "language", "sample_rate_hz", "frame_ms", "parameters", "vocabulary", "is_default", "version", "vocabulary_kind", "output_delay_ms", "precision")

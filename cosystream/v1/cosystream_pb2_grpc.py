@@ -163,3 +163,132 @@ class CosyStream:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operator calls. When the server checks tokens, each needs a token with the `admin` option
+    (PERMISSION_DENIED otherwise; UNAUTHENTICATED without a known token).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadModel = channel.unary_unary(
+                '/cosystream.v1.Admin/LoadModel',
+                request_serializer=cosystream_dot_v1_dot_cosystream__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=cosystream_dot_v1_dot_cosystream__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/cosystream.v1.Admin/UnloadModel',
+                request_serializer=cosystream_dot_v1_dot_cosystream__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=cosystream_dot_v1_dot_cosystream__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator calls. When the server checks tokens, each needs a token with the `admin` option
+    (PERMISSION_DENIED otherwise; UNAUTHENTICATED without a known token).
+    """
+
+    def LoadModel(self, request, context):
+        """Loads the model directory `path` as `name`, beside the models served, and warms it; returns once it
+        serves. A `name` already served is replaced by the new version: new sessions get it at once, live
+        sessions at their next utterance (an utterance in progress finishes on the old version, which is
+        freed once no session runs it). A new `name` adds a model. A load that fails leaves what was served
+        serving: FAILED_PRECONDITION (the directory or its files cannot be loaded) or INVALID_ARGUMENT (a bad
+        name, or a vocabulary the server cannot decode), with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Stops serving the model `name`: new sessions asking for it are refused (INVALID_ARGUMENT), live ones
+        finish on it. The default model cannot be unloaded (FAILED_PRECONDITION); an unknown name is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=cosystream_dot_v1_dot_cosystream__pb2.LoadModelRequest.FromString,
+                    response_serializer=cosystream_dot_v1_dot_cosystream__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=cosystream_dot_v1_dot_cosystream__pb2.UnloadModelRequest.FromString,
+                    response_serializer=cosystream_dot_v1_dot_cosystream__pb2.UnloadModelResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'cosystream.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('cosystream.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator calls. When the server checks tokens, each needs a token with the `admin` option
+    (PERMISSION_DENIED otherwise; UNAUTHENTICATED without a known token).
+    """
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cosystream.v1.Admin/LoadModel',
+            cosystream_dot_v1_dot_cosystream__pb2.LoadModelRequest.SerializeToString,
+            cosystream_dot_v1_dot_cosystream__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cosystream.v1.Admin/UnloadModel',
+            cosystream_dot_v1_dot_cosystream__pb2.UnloadModelRequest.SerializeToString,
+            cosystream_dot_v1_dot_cosystream__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

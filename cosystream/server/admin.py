@@ -1,0 +1,93 @@
+"""The gRPC servicer of ``cosystream.v1.Admin``: operator calls, served on the frontends' gRPC port.
+
+``LoadModel`` has the engine load a model directory beside the models it serves and swap it in (a new
+version of a served name, or a new name); ``UnloadModel`` stops serving one. When the server checks tokens,
+each call needs a token with the ``admin`` option (``auth.py``); the interceptor has already refused a call
+without a known token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+
+from cosystream.engine import ipc
+from cosystream.models.loading import RESERVED_NAMES
+from cosystream.server.auth import current_token
+from cosystream.server.engine_client import ModelLoadError
+from cosystream.server.servicer import CosyStreamServicer, model_message
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+_CODES = {
+    ipc.LOAD_FAILED: grpc.StatusCode.FAILED_PRECONDITION,
+    ipc.UNDECODABLE: grpc.StatusCode.INVALID_ARGUMENT,
+    ipc.BUSY: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, servicer: CosyStreamServicer):
+        self.servicer = servicer
+        self.engine = servicer.engine
+
+    async def _check_admin(self, context, what: str) -> None:
+        token = current_token()
+        if token is not None and not token.admin:
+            log.info("refused %s for token %s: not an admin token", what, token.name)
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"token {token.name!r} may not {what}: it needs the admin option in the tokens file",
+            )
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context) -> pb.LoadModelResponse:
+        await self._check_admin(context, "load models")
+        name, path = request.name, request.path
+        if name in RESERVED_NAMES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"name {name!r} cannot name a model: it asks for the default one (give the model's name)",
+            )
+        if not path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path is required: the model directory")
+        if not Path(path).is_dir():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"cannot load {path}: no such directory on the server"
+            )
+        path = str(Path(path).resolve())
+        log.info("loading model %s from %s", name, path)
+        try:
+            result = await self.engine.load_model(name, path)
+        except ModelLoadError as err:
+            log.warning("model %s from %s not loaded: %s", name, path, err)
+            await context.abort(_CODES.get(err.failure, grpc.StatusCode.FAILED_PRECONDITION), str(err))
+        is_default = self.servicer.info.models[0].id == result.model.id
+        return pb.LoadModelResponse(
+            model=model_message(result.model, is_default),
+            load_seconds=result.load_s,
+            install_seconds=result.install_s,
+        )
+
+    async def UnloadModel(self, request: pb.UnloadModelRequest, context) -> pb.UnloadModelResponse:
+        await self._check_admin(context, "unload models")
+        name = request.name
+        info = self.servicer.info
+        if name in RESERVED_NAMES or name == info.model_name:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{info.model_name!r} is the default model: it cannot be unloaded (load a new version instead)",
+            )
+        if info.model_index(name) is None:
+            served = ", ".join(repr(m.name) for m in info.models)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {name!r} is served here (served: {served})")
+        try:
+            await self.engine.unload_model(name)
+        except ModelLoadError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return pb.UnloadModelResponse()
