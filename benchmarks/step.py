@@ -6,6 +6,7 @@ matmul peak; on CUDA, graph replay against eager.
 
     python benchmarks/step.py                       # CPU, one thread
     python benchmarks/step.py --device cuda --max-batch 4096
+    python benchmarks/step.py --dtype float32 bfloat16 int8   # precisions side by side (batch 1 and 64, T=1)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from cosystream.decoding.config import BEAM_TOP_K
 from cosystream.engine.process import use_device
 from cosystream.models import FRAME_SAMPLES, load_model
+from cosystream.models.loading import PRECISIONS
 from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
 from cosystream.runtime.slab import StateSlab
 
@@ -120,6 +122,61 @@ def bench_tf32(model, max_batch: int, device: torch.device, iterations: int) -> 
     return rows
 
 
+def bench_precisions(
+    path: str | None, precisions: list[str], batches: list[int], device: torch.device, iterations: int
+) -> list[dict]:
+    """Per precision, the one-frame step at each batch (graphs on CUDA, as served), and how far its
+    log-probabilities move from the first precision's on the same (noise) input: the largest and the mean
+    difference; the accuracy that costs is measured on speech by ``cosystream eval --precision``."""
+    rows, reference = [], {}
+    mode = GraphMode.GRAPHS if device.type == "cuda" else GraphMode.EAGER
+    for precision in precisions:
+        model = load_model(path, device=device, precision=precision)
+        for batch in batches:
+            runner = build_runner(model, batch, mode, device, direct=True)
+            rng = np.random.default_rng(3)
+            steps = [(rng.standard_normal((batch, FRAME_SAMPLES)) * 0.1).astype(np.float32) for _ in range(30)]
+            logprobs = torch.stack(
+                [
+                    torch.log_softmax(runner.run(list(range(batch)), pcm, return_logits=True).logits.float(), -1)
+                    for pcm in steps
+                ]
+            ).cpu()
+            reference.setdefault(batch, logprobs)
+            timing = bench_runner(runner, [batch], [1], iterations)[0]
+            diff = (logprobs - reference[batch]).abs()
+            rows.append(
+                {
+                    "precision": precision,
+                    "batch": batch,
+                    "p50_ms": timing["p50_ms"],
+                    "p99_ms": timing["p99_ms"],
+                    "us_per_session_frame": timing["us_per_session_frame"],
+                    "max_logprob_diff": diff.max().item(),
+                    "mean_logprob_diff": diff.mean().item(),
+                }
+            )
+            del runner
+    for row in rows:
+        base = next(r for r in rows if r["batch"] == row["batch"])
+        row["speedup"] = base["p50_ms"] / row["p50_ms"]
+    return rows
+
+
+def print_precisions(rows: list[dict], device: str, threads: int) -> None:
+    sys.stdout.write(f"\nprecisions, one frame per step ({device}, {threads} thread(s)):\n")
+    sys.stdout.write(
+        f"{'precision':<10} {'batch':>6} {'p50 ms':>9} {'p99 ms':>9} {'us/sess-frame':>14} {'vs f32':>7}"
+        f" {'max dlogp':>10} {'mean dlogp':>11}\n"
+    )
+    for r in rows:
+        sys.stdout.write(
+            f"{r['precision']:<10} {r['batch']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f}"
+            f" {r['us_per_session_frame']:>14.1f} {r['speedup']:>6.2f}x {r['max_logprob_diff']:>10.3f}"
+            f" {r['mean_logprob_diff']:>11.4f}\n"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -129,11 +186,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--json", default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=None,
+        choices=PRECISIONS,
+        help="compare these precisions instead (the first is the reference; float32 first is the useful order)",
+    )
+    parser.add_argument("--dtype-batches", type=int, nargs="+", default=[1, 64], help="batches for --dtype")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     use_device(device)  # as the engine runs it: the current CUDA device, full float32
+    if args.dtype:
+        with torch.no_grad():
+            rows = bench_precisions(args.model, args.dtype, args.dtype_batches, device, args.iterations)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        result = {"device": name, "torch": torch.__version__, "threads": args.threads, "precisions": rows}
+        print(json.dumps(result, indent=2))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        print_precisions(rows, name, args.threads)
+        return 0
     model = load_model(args.model, device=device)
     batches = [b for b in batch_buckets(args.max_batch)]
     result: dict = {

@@ -77,14 +77,45 @@ def parse_model_arg(value: str) -> tuple[str | None, str]:
     return name, path
 
 
+def parse_precision_arg(value: str) -> tuple[str | None, str]:
+    """``--precision [NAME=]DTYPE`` -> (NAME or None: every model, DTYPE)."""
+    from cosystream.models.loading import PRECISIONS
+
+    name, sep, precision = value.rpartition("=")
+    if sep and not name:
+        raise argparse.ArgumentTypeError(f"{value!r}: the name before '=' is empty")
+    if precision not in PRECISIONS:
+        raise argparse.ArgumentTypeError(f"{value!r}: the precision is one of {', '.join(PRECISIONS)}")
+    return (name if sep else None), precision
+
+
 def served_models(args: argparse.Namespace):
-    """The ``--model`` flags as the served models, the first the default (ValueError, one line, if not)."""
-    from cosystream.models.loading import model_sources
+    """The ``--model`` flags as the served models, the first the default, at their ``--precision`` (ValueError,
+    one line, if not)."""
+    from cosystream.models.loading import check_precision, model_sources
 
     for _, path in args.model:
         if not os.path.isdir(path):
             raise ValueError(f"--model {path}: no such directory (a model directory: docs/MODELS.md)")
-    return model_sources(args.model)
+    sources = model_sources(args.model)
+    given = dict(getattr(args, "precision", None) or [])
+    unknown = sorted(name for name in given if name is not None and name not in {s.name for s in sources})
+    if unknown:
+        raise ValueError(f"--precision {unknown[0]}=...: no model of that name is served")
+    device = getattr(args, "device", "auto")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = []
+    for source in sources:
+        precision = given.get(source.name, given.get(None, source.precision))
+        try:
+            check_precision(precision, device)
+        except ValueError as err:
+            raise ValueError(f"--precision {precision} (model {source.name}): {err}") from None
+        resolved.append(dataclasses.replace(source, precision=precision))
+    return tuple(resolved)
 
 
 def model_decoders(decoder, models) -> tuple:
@@ -190,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]DIR",
         help="a model directory to serve, named NAME (default: the name in its config.json); repeat it to "
         "serve several, the first being the default (default: the embedded English model)",
+    )
+    serve.add_argument(
+        "--precision",
+        action="append",
+        type=parse_precision_arg,
+        default=[],
+        metavar="[NAME=]DTYPE",
+        help="serve model NAME (no NAME: every model) at DTYPE: float32 (the default), bfloat16, float16 (CUDA "
+        "only) or int8 (CPU only, dynamic quantization); see docs/MODELS.md for what each costs in accuracy",
     )
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
@@ -300,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--json", default=None, help="write the scores and every hypothesis here")
     evaluate.add_argument("--show", type=int, default=5, help="print this many reference/hypothesis pairs")
+    evaluate.add_argument(
+        "--precision",
+        default="float32",
+        choices=("float32", "bfloat16", "int8"),
+        help="run the model at this precision on the CPU (see serve --precision)",
+    )
     add_decoder_args(evaluate)
     return parser
 
@@ -319,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             decoder = decoder_config(args)
         except (OSError, EOFError, ValueError) as err:
             sys.exit(f"cosystream eval: {err}")
-        return eval_command(args.model, args.test_set, decoder, args.telephone, args.tilt, args.json, args.show)
+        return eval_command(
+            args.model, args.test_set, decoder, args.telephone, args.tilt, args.json, args.show, args.precision
+        )
     from cosystream.app.transcribe import transcribe_command
 
     try:

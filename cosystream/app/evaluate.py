@@ -163,9 +163,10 @@ def evaluate(
     telephone_band: bool = False,
     decoding: DecoderConfig | None = None,
     tilt_db: float = 0.0,
+    precision: str = "float32",
 ) -> dict:
     torch.set_num_threads(1)
-    model = load_model(model_path)
+    model = load_model(model_path, precision=precision)
     decoding = (decoding or DecoderConfig()).resolve(model_path)
     runner = eval_runner(model, decoding.top_k)
     decoder = DecoderFactory(decoding, model.vocabulary)()
@@ -197,6 +198,7 @@ def evaluate(
         "telephone": telephone_band,
         "tilt_db_per_octave": tilt_db,
         "decoder": decoding.kind,
+        "precision": precision,
         "utterances": len(scored),
         "audio_seconds": audio_s,
         "wer": sum(s.word_errors for s in scored) / max(1, words),
@@ -216,10 +218,11 @@ def eval_command(
     tilt_db: float = 0.0,
     json_path: str | None = None,
     show: int = 5,
+    precision: str = "float32",
 ) -> int:
     """``cosystream eval``: scores printed (and written to ``json_path``); 1 with the reason on failure."""
     try:
-        result = evaluate(model_path, Path(test_set), telephone_band, decoding, tilt_db)
+        result = evaluate(model_path, Path(test_set), telephone_band, decoding, tilt_db, precision)
     except (OSError, EOFError, ValueError, KeyError) as err:
         print(f"cosystream eval: {err}", file=sys.stderr)
         return 1
@@ -228,6 +231,8 @@ def eval_command(
     for example in result["examples"][:show]:
         print(f"{example['name']}\n  ref: {example['reference']}\n  hyp: {example['hypothesis']}")
     band = "8 kHz mu-law" if result["telephone"] else "16 kHz"
+    if precision != "float32":
+        band += f", {precision}"
     if result["tilt_db_per_octave"]:
         band += f", tilted {result['tilt_db_per_octave']:+g} dB/octave"
     print(

@@ -32,6 +32,7 @@ from cosystream.engine.model_swap import ModelLoader, admin, announce_models
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
 from cosystream.models.loading import (
+    PRECISIONS,
     ModelSource,
     content_version,
     model_sources,
@@ -216,7 +217,7 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
         engine_config = dataclasses.replace(engine_config, graph_mode=GraphMode.EAGER)
     started = time.perf_counter()
     sources = config.models or model_sources([])
-    models = [load_model(source.path, device=device) for source in sources]
+    models = [load_model(source.path, device=device, precision=source.precision) for source in sources]
     core = EngineCore(models, engine_config, device, EngineMetrics(), [source.name for source in sources])
     warm_up(core)
     log.info(
@@ -226,7 +227,7 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
         engine_config.max_sessions,
         core.runner.batch_buckets,
         engine_config.graph_mode.value,
-        ", ".join(f"model {s.name} ({s.path or 'embedded'})" for s in sources),
+        ", ".join(f"model {s.name} ({s.path or 'embedded'}, {s.precision})" for s in sources),
     )
     return core
 
@@ -251,7 +252,6 @@ def model_info(model: torch.nn.Module, source: ModelSource | None = None) -> ipc
     """How ``model``, loaded from ``source`` (None: the embedded model under its own name), is described to
     the frontends."""
     source = source or ModelSource(model.config.name, None)
-    weights = next(model.parameters(), None)
     return ipc.ModelInfo(
         name=source.name,
         version=content_version(source.path),
@@ -261,7 +261,7 @@ def model_info(model: torch.nn.Module, source: ModelSource | None = None) -> ipc
         vocabulary_kind=vocabulary_kind(source.path),
         parameters=sum(p.numel() for p in model.parameters()),
         output_delay_frames=output_delay_frames(model),
-        precision="float32" if weights is None else str(weights.dtype).removeprefix("torch."),
+        precision=source.precision,
     )
 
 
@@ -299,15 +299,18 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
         infos,
     )
     info = dataclasses.replace(info, held_models=len(core.held_models))
+    # A new version of a served model keeps the precision it was served at; a new model is float32.
+    precisions = {source.name: source.precision for source in sources}
 
     def build(name: str, path: str) -> tuple[Runner, ipc.ModelInfo]:
         from cosystream.models import load_model
 
         use_device(core.device)  # (the current CUDA device is per thread)
-        model = load_model(path, device=core.device)
+        source = ModelSource(name, path, precisions.get(name, PRECISIONS[0]))
+        model = load_model(path, device=core.device, precision=source.precision)
         runner = core.prepare(model)
         warm_up_runner(runner)
-        return runner, model_info(model, ModelSource(name, path))
+        return runner, model_info(model, source)
 
     loader = ModelLoader(core, build)
     model_changes = core.model_changes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,18 @@ class ConvCtcConfig:
         return cls(**data)
 
 
+def quantize_linear(linear: nn.Linear) -> nn.Module:
+    """``linear`` dynamically quantized to int8 (``torch.ao.quantization.quantize_dynamic``). torch 2.13 warns
+    that its quantized tensors are deprecated; the warning is for library authors, not for operators."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="torch.ao.quantization is deprecated", category=DeprecationWarning
+        )
+        qconfig = {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}
+        return torch.ao.quantization.quantize_dynamic(nn.Sequential(linear), qconfig, dtype=torch.qint8)[0]
+
+
 class CausalConv(nn.Module):
     """A causal 1-D convolution over time-major features ``[B, T, C_in] -> [B, T, C_out]``.
 
@@ -141,6 +154,24 @@ class CausalConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_channels))
         bound = 1.0 / (kernel_size * in_channels) ** 0.5
         nn.init.uniform_(self.weight, -bound, bound)
+        # Set by ``quantize_int8``: the step's matmul as a dynamically quantized (int8) linear layer.
+        self.quantized: nn.Module | None = None
+
+    def quantize_int8(self) -> None:
+        """Run the streaming step's matmul in int8 (weights quantized per output channel once, activations
+        per step: ``torch.ao.quantization.quantize_dynamic``). The offline ``forward`` stays float32."""
+        linear = nn.Linear(self.weight.shape[0], self.weight.shape[1])
+        with torch.no_grad():
+            linear.weight.copy_(self.weight.t())
+            linear.bias.copy_(self.bias)
+        self.quantized = quantize_linear(linear)
+
+    def project(self, window: torch.Tensor) -> torch.Tensor:
+        """The convolution as a matmul of its input windows ``[N, k * C_in] -> [N, C_out]``, in the weights'
+        dtype (int8 layers: float32)."""
+        if self.quantized is not None:
+            return self.quantized(window)
+        return torch.addmm(self.bias, window, self.weight)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Weights saved as [k, C_in, C_out] (before they were stored flat) load as [k * C_in, C_out].
@@ -156,7 +187,7 @@ class CausalConv(nn.Module):
     def step_rows(self, x: torch.Tensor, *where) -> torch.Tensor:
         """Step ``x [B * T, C_in]``: :meth:`window_rows` (same arguments), then the convolution's matmul.
         Returns ``[B * T, C_out]``."""
-        return torch.addmm(self.bias, self.window_rows(x, *where), self.weight)
+        return self.project(self.window_rows(x, *where)).to(x.dtype)
 
     def window_rows(
         self,
@@ -175,6 +206,7 @@ class CausalConv(nn.Module):
         the one ``size`` frames older, which may be one of its own taps.
         """
         channels = self.in_channels
+        x = x.to(rings.dtype)  # (a reduced-precision model's rings and matmuls; the rest stays float32)
         flat = rings.view(-1, channels)
         past = flat.index_select(0, read)
         if x.shape[0] == batch and past.shape[0] == batch * (self.kernel_size - 1):  # one frame per row
@@ -189,9 +221,9 @@ class CausalConv(nn.Module):
     def forward(self, x: torch.Tensor, pad: bool = True) -> torch.Tensor:
         """``[B, T, C_in] -> [B, T, C_out]``, zeros before the start; ``pad=False``: ``x`` carries its own
         ``context`` frames of history and the output is ``context`` frames shorter."""
-        padded = F.pad(x.transpose(1, 2), (self.context if pad else 0, 0))
+        padded = F.pad(x.transpose(1, 2).to(self.weight.dtype), (self.context if pad else 0, 0))
         weight = self.weight.view(self.kernel_size, self.in_channels, -1).permute(2, 1, 0)  # conv1d's layout
-        return F.conv1d(padded, weight, self.bias, dilation=self.dilation).transpose(1, 2)
+        return F.conv1d(padded, weight, self.bias, dilation=self.dilation).transpose(1, 2).to(x.dtype)
 
 
 class ResidualBlock(nn.Module):
@@ -221,7 +253,8 @@ class ResidualBlock(nn.Module):
             return x + torch.relu(self.conv.step_rows(self.norm(x), batch, rings, read, write, plan))
         conv = self.conv
         taps = conv.window_rows(x, batch, rings, read, write, plan).view(x.shape[0], conv.kernel_size, -1)
-        out = torch.addmm(conv.bias, self.norm(taps).flatten(1), conv.weight)
+        taps = taps.to(x.dtype)  # (raw frames, kept in the ring at the weights' dtype)
+        out = conv.project(self.norm(taps).flatten(1).to(rings.dtype)).to(x.dtype)
         return taps[:, conv.kernel_size // 2] + torch.relu(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +262,8 @@ class ResidualBlock(nn.Module):
             return x + torch.relu(self.conv(self.norm(x)))
         context, frames = self.conv.context, x.shape[1]
         padded = F.pad(x, (0, 0, context, 0))
+        if padded.dtype != self.conv.weight.dtype:  # (the ring keeps raw frames at the weights' dtype)
+            padded = padded.to(self.conv.weight.dtype).to(x.dtype)
         return padded[:, context // 2 : context // 2 + frames] + torch.relu(
             self.conv(self.norm(padded), pad=False)
         )
@@ -267,9 +302,17 @@ class ConvCtcModel(nn.Module):
     def _convs(self) -> list[CausalConv]:
         return [self.input_conv, *(block.conv for block in self.blocks)]
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the matmuls' weights and operands, and of the convolutions' rings: float32, bfloat16 or
+        float16 (int8 layers take float32). Everything else stays float32: the audio and its log-mel
+        features, the layer norms and the residual sum; each matmul's input is cast to it, its output back."""
+        return self.input_conv.weight.dtype
+
     def cache_specs(self) -> list[CacheSpec]:
-        dtype = self.head.weight.dtype
-        specs = [CacheSpec("position", (), torch.int64), CacheSpec("pcm_tail", (self.tail_samples,), dtype)]
+        dtype = self.compute_dtype
+        audio = self.features.dft_basis.dtype
+        specs = [CacheSpec("position", (), torch.int64), CacheSpec("pcm_tail", (self.tail_samples,), audio)]
         specs.append(CacheSpec("input_conv", (self.input_conv.context, self.config.n_mels), dtype))
         specs += [
             CacheSpec(f"block{i}", (block.conv.context, self.config.channels), dtype)
@@ -278,7 +321,7 @@ class ConvCtcModel(nn.Module):
         return specs
 
     def init_caches(self, batch: int) -> list[torch.Tensor]:
-        device = self.head.weight.device
+        device = self.input_conv.weight.device
         return [torch.zeros((batch, *s.shape), dtype=s.dtype, device=device) for s in self.cache_specs()]
 
     def step(self, pcm: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -317,7 +360,7 @@ class ConvCtcModel(nn.Module):
         x = torch.relu(self.input_conv.step_rows(x, batch, slab[2], read[0], write[0], plan.layers[0]))
         for layer, (block, rings) in enumerate(zip(self.blocks, slab[3:], strict=True), start=1):
             x = block.step_rows(x, batch, rings, read[layer], write[layer], plan.layers[layer])
-        return self.head(self.out_norm(x)).view(batch, frames, -1)
+        return self.head(self.out_norm(x).to(self.compute_dtype)).view(batch, frames, -1)
 
     def _plan(self, frames: int, device: torch.device) -> _StepPlan:
         """Index tables for a step of ``frames`` frames (built once per frame count and device)."""
@@ -347,7 +390,7 @@ class ConvCtcModel(nn.Module):
         x = torch.relu(self.input_conv(features))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.out_norm(x))
+        return self.head(self.out_norm(x).to(self.compute_dtype))
 
     def flops_per_frame(self) -> int:
         """Multiply-adds x 2 of one 10 ms frame (matmuls only; they dominate)."""
@@ -355,4 +398,4 @@ class ConvCtcModel(nn.Module):
         feats = 2 * c.window_samples * self.features.dft_basis.shape[1]
         feats += 2 * self.features.n_used_bins * c.n_mels
         convs = sum(2 * conv.weight.numel() for conv in self._convs())
-        return feats + convs + 2 * self.head.weight.numel()
+        return feats + convs + 2 * self.config.channels * len(self.vocabulary)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
+from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel, quantize_linear
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ LEXICON_FILE = "lexicon.tsv.gz"  # a phoneme model's pronunciations (cosystream.
 VERSIONED_FILES = (CONFIG_FILE, VOCABULARY_FILE, WEIGHTS_FILE)
 UNTRAINED_SEED = 0
 RESERVED_NAMES = ("", "default")  # what a StreamingConfig sends for the default model
+# The precisions a model can be served at (``--precision``); the first is the default, the weights' own.
+PRECISIONS = ("float32", "bfloat16", "float16", "int8")
 
 _ARCHITECTURES = {"conv_ctc": (ConvCtcConfig, ConvCtcModel)}
 
@@ -39,6 +41,7 @@ class ModelSource:
 
     name: str
     path: str | None = None
+    precision: str = PRECISIONS[0]  # one of PRECISIONS
 
     @property
     def directory(self) -> Path:
@@ -94,12 +97,43 @@ def vocabulary_kind(path: str | Path | None) -> str:
     return "phonemes" if (directory / LEXICON_FILE).is_file() else "letters"
 
 
-def load_model(path: str | Path | None = None, device: str | torch.device = "cpu") -> ConvCtcModel:
-    """Load a model directory (the embedded default when ``path`` is None), in eval mode on ``device``.
+def check_precision(precision: str, device: str | torch.device) -> None:
+    """Raise ``ValueError`` (one line) unless a model can run at ``precision`` on ``device``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    kind = torch.device(device).type
+    if precision == "float16" and kind != "cuda":
+        raise ValueError("float16 needs a CUDA device (CPUs have no fast float16 matmul: use bfloat16 or int8)")
+    if precision == "int8" and kind != "cpu":
+        raise ValueError("int8 runs on the CPU only (dynamic quantization); on CUDA use bfloat16 or float16")
+
+
+def set_precision(model: ConvCtcModel, precision: str) -> ConvCtcModel:
+    """``model`` (float32) at ``precision``, in place. bfloat16 / float16: the matmuls' weights (every
+    convolution and the output layer) are cast, and the convolutions' rings take that dtype; the features, the
+    layer norms and the residual sum stay float32 (a residual sum in bfloat16 costs accuracy: docs/MODELS.md).
+    int8: the same matmuls are quantized dynamically (weights per output channel, activations per step)."""
+    if precision == "int8":
+        for conv in model._convs():
+            conv.quantize_int8()
+        model.head = quantize_linear(model.head)
+    elif precision != "float32":
+        dtype = getattr(torch, precision)
+        for layer in (*model._convs(), model.head):
+            layer.to(dtype)
+    return model
+
+
+def load_model(
+    path: str | Path | None = None, device: str | torch.device = "cpu", precision: str = PRECISIONS[0]
+) -> ConvCtcModel:
+    """Load a model directory (the embedded default when ``path`` is None), in eval mode on ``device``, at
+    ``precision`` (one of ``PRECISIONS``; ``ValueError`` for one the device cannot run: ``check_precision``).
 
     A directory without weights yields the architecture with seeded random weights (logged as a warning):
     useful for engine tests and benchmarks, useless for recognition.
     """
+    check_precision(precision, device)
     directory = Path(path) if path is not None else DEFAULT_MODEL_DIR
     config_data = json.loads((directory / CONFIG_FILE).read_text())
     config_data["vocabulary"] = json.loads((directory / VOCABULARY_FILE).read_text())
@@ -117,7 +151,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(UNTRAINED_SEED)
             model = model_cls(config)
-    return model.to(device).eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return set_precision(model.to(device), precision)
 
 
 def save_model(model: ConvCtcModel, directory: str | Path) -> None:
