@@ -315,6 +315,13 @@ def session_update(fmt: dict, turn_detection="server_vad", **extra) -> str:
     )
 
 
+async def pcm_session(ws, rate_hz: int) -> dict:
+    """Past ``session.created``: set PCM at ``rate_hz`` with server VAD; returns ``session.updated``."""
+    await ws.recv()
+    await ws.send(session_update({"type": "audio/pcm", "rate": rate_hz}))
+    return json.loads(await ws.recv())
+
+
 def check_items(events: list[dict]) -> list[dict]:
     """The Realtime contract per item: started, deltas that rebuild the text, stopped + committed, the last
     deltas (the final may differ from the last interim), completed."""
@@ -469,9 +476,7 @@ def test_clear_drops_the_buffer_and_a_dropped_connection_frees_its_slot(server):
 
     async def run():
         async with websockets.connect(ws_url(server)) as ws:
-            await ws.recv()
-            await ws.send(session_update({"type": "audio/pcm", "rate": 16000}))
-            await ws.recv()
+            await pcm_session(ws, 16000)
             for message in appends(speech_pcm, 3200):
                 await ws.send(message)
             await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
@@ -495,9 +500,7 @@ def test_websocket_sessions_beside_grpc_streams(server):
 
     async def websocket_session():
         async with websockets.connect(ws_url(server)) as ws:
-            await ws.recv()
-            await ws.send(session_update({"type": "audio/pcm", "rate": 16000}))
-            await ws.recv()
+            await pcm_session(ws, 16000)
             for message in appends(pcm, 320):
                 await ws.send(message)
                 await asyncio.sleep(0.004)
@@ -539,9 +542,7 @@ def test_a_drain_gives_websocket_sessions_their_final_then_closes_them():
 
         async def run():
             async with websockets.connect(url) as ws:
-                await ws.recv()
-                await ws.send(session_update({"type": "audio/pcm", "rate": 16000}))
-                await ws.recv()
+                await pcm_session(ws, 16000)
                 for message in appends(pcm, 3200):
                     await ws.send(message)
                 await asyncio.sleep(0.5)
@@ -743,9 +744,7 @@ def test_a_format_change_mid_session_applies_to_the_audio_after_it(server):
 
     async def run():
         async with websockets.connect(ws_url(server)) as ws:
-            await ws.recv()
-            await ws.send(session_update({"type": "audio/pcm", "rate": 16000}))
-            await ws.recv()
+            await pcm_session(ws, 16000)
             for message in appends(quiet16, 3200):
                 await ws.send(message)
             await ws.send(session_update({"type": "audio/pcm", "rate": 8000}))
