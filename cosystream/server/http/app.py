@@ -182,7 +182,11 @@ class HttpServer:
         return await self.transcriber.handle(request, self._token(request))
 
     # Client secrets.
-    async def _ttl(self, request: web.Request, body: dict) -> int:
+    async def _issue(self, request: web.Request) -> tuple[str, int, dict]:
+        """A client secret for the request's token, for ``expires_after.seconds`` of its JSON body: the
+        secret, its expiry (Unix seconds) and the body."""
+        token = self._token(request)
+        body = await self._json_body(request)
         after = body.get("expires_after") or {}
         seconds = after.get("seconds", DEFAULT_TTL_S) if isinstance(after, dict) else DEFAULT_TTL_S
         if not isinstance(seconds, int) or not MIN_TTL_S <= seconds <= MAX_TTL_S:
@@ -192,7 +196,7 @@ class HttpServer:
                 "invalid_value",
                 "expires_after.seconds",
             )
-        return seconds
+        return (*self.secrets.issue(token, seconds), body)
 
     async def _json_body(self, request: web.Request) -> dict:
         if not request.can_read_body:
@@ -207,9 +211,7 @@ class HttpServer:
 
     async def _transcription_session(self, request: web.Request) -> web.Response:
         """The older API's shape: a session object with ``client_secret: {value, expires_at}``."""
-        token = self._token(request)
-        body = await self._json_body(request)
-        secret, expires_at = self.secrets.issue(token, await self._ttl(request, body))
+        secret, expires_at, _ = await self._issue(request)
         return web.json_response(
             {
                 "id": f"sess_{secret[-20:]}",
@@ -222,9 +224,7 @@ class HttpServer:
 
     async def _client_secret(self, request: web.Request) -> web.Response:
         """The newer API's shape: ``{value, expires_at, session}``."""
-        token = self._token(request)
-        body = await self._json_body(request)
-        secret, expires_at = self.secrets.issue(token, await self._ttl(request, body))
+        secret, expires_at, body = await self._issue(request)
         session = body.get("session") if isinstance(body.get("session"), dict) else {"type": "transcription"}
         return web.json_response({"value": secret, "expires_at": expires_at, "session": session})
 

@@ -479,7 +479,7 @@ class RealtimeConnection:
     async def serve(self) -> None:
         self._writer = asyncio.get_running_loop().create_task(self._write())
         name = "transcription_session.created" if self.beta else "session.created"
-        self.emit({"type": name, "session": self._describe()})
+        self.emit({"type": name, "session": self._describe(self.beta)})
         try:
             async for message in self.ws:
                 if message.type != WSMsgType.TEXT:
@@ -504,8 +504,8 @@ class RealtimeConnection:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._closer
 
-    def _describe(self) -> dict:
-        return describe(self.settings, self.session_id, self.servicer.options.default_endpointing, self.beta)
+    def _describe(self, beta: bool) -> dict:
+        return describe(self.settings, self.session_id, self.servicer.options.default_endpointing, beta)
 
     async def _event(self, text: str) -> None:
         event_id = None
@@ -528,8 +528,7 @@ class RealtimeConnection:
                 self.buffer.commit(asked=False)  # the new settings take effect at the next buffer
                 self._end_buffer()
             beta = kind == "transcription_session.update"
-            updated = describe(self.settings, self.session_id, self.servicer.options.default_endpointing, beta)
-            self.emit({"type": kind.replace(".update", ".updated"), "session": updated})
+            self.emit({"type": kind.replace(".update", ".updated"), "session": self._describe(beta)})
         elif kind == "input_audio_buffer.append":
             audio = event.get("audio")
             if not isinstance(audio, str):
