@@ -607,3 +607,35 @@ def test_tune_scores_every_grid_point_on_each_set_and_half(trained, tmp_path):
     expected = evaluate(default, data, decoding=DecoderConfig("beam", beam=BeamConfig(alpha=0.8, beta=3.0)))
     assert rows[1]["sets"]["all"]["wer"] == pytest.approx(expected["wer"])
     assert rows[1]["sets"]["all"]["cer"] == pytest.approx(expected["cer"])
+
+
+def test_a_smaller_student_keeps_some_blocks_and_learns_the_teachers_posteriors(trained, tmp_path):
+    """``--keep-blocks`` starts a student from some of the ``--init`` model's blocks; ``--teacher`` with
+    ``--distill 1`` trains it on the KL divergence from the teacher's posteriors alone: zero for the whole
+    model as its own student, positive without a block, and falling as the student trains."""
+    from training import train
+    from training.export import export, model_from_checkpoint
+
+    model, _ = model_from_checkpoint(trained / "last.pt")
+    export(model, tmp_path / "teacher")
+    config, weights = train.keep_blocks(model.config, model.state_dict(), [0, 2])
+    assert config.dilations == (1, 4)
+    assert torch.equal(weights["blocks.1.conv.weight"], model.state_dict()["blocks.2.conv.weight"])
+    for bad in ([2, 0], [0, 3], [], [1, 1]):
+        with pytest.raises(SystemExit, match="increasing block indices"):
+            train.keep_blocks(model.config, model.state_dict(), bad)
+
+    def losses(run: Path, keep: str, steps: int, lr: str) -> list[float]:
+        args = ["--corpus", str(trained.parent / "corpus"), "--run", str(run), "--total-steps", str(steps)]
+        args += ["--warmup", "1", "--peak-lr", lr, "--no-augment", "--log-every", "1", "--eval-limit", "1"]
+        args += ["--batch-seconds", "30", "--init", str(tmp_path / "teacher"), "--keep-blocks", keep]
+        train.main([*args, "--teacher", str(tmp_path / "teacher"), "--distill", "1"])
+        records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in records if r.get("event") == "train"]
+
+    assert losses(tmp_path / "whole", "0,1,2", 1, "1e-9")[0] < 1e-4
+    student = losses(tmp_path / "student", "0,2", 12, "3e-3")
+    assert student[0] > 1e-3
+    assert np.mean(student[-3:]) < 0.7 * student[0], student
+    saved = torch.load(tmp_path / "student" / "last.pt", weights_only=False)
+    assert saved["config"]["dilations"] == [1, 4]

@@ -99,8 +99,10 @@ class Trainer:
         corpus: Corpus,
         device: torch.device,
         log: RunLog,
+        teacher: ConvCtcModel | None = None,
     ):
         self.args, self.setup, self.config, self.model, self.opt = args, setup, config, model, opt
+        self.teacher = teacher  # --teacher: its posteriors are part of the loss (``distillation``)
         self.progress, self.corpus, self.device, self.log = progress, corpus, device, log
         self.vocab = {c: i for i, c in enumerate(config.vocabulary)}
         self.ctc = torch.nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
@@ -242,11 +244,24 @@ class Trainer:
             batch["in_lengths"],
             batch["tgt_lengths"],
         )
+        if self.teacher is not None:
+            kl = self.distillation(features, log_probs, batch["in_lengths"])
+            loss = (1.0 - args.distill) * loss.to(device) + args.distill * kl
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
         self.opt.step()
         return loss
+
+    def distillation(self, features: torch.Tensor, log_probs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The KL divergence from the teacher's posteriors to the student's ``log_probs`` ``[B, T, V]``, per
+        frame, averaged over the real (unpadded, ``lengths``) frames; the teacher sees the same ``features``."""
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
+            teacher_logits = self.teacher.encode(features)
+        teacher_lp = teacher_logits.float().log_softmax(-1)
+        kl = (teacher_lp.exp() * (teacher_lp - log_probs)).sum(-1)  # [B, T]
+        frames = torch.arange(kl.shape[1], device=kl.device)[None, :] < lengths.to(kl.device)[:, None]
+        return (kl * frames).sum() / frames.sum().clamp_min(1)
 
     def after_step(self) -> None:
         """What is due after a step: a training log record every ``--log-every`` steps, an evaluation every

@@ -118,6 +118,27 @@ def deepen(
     return grown, state
 
 
+def keep_blocks(config: ConvCtcConfig, weights: dict, keep: list[int]) -> tuple:
+    """``config`` and ``weights`` with only the residual blocks ``keep`` (indices, increasing), renumbered:
+    a smaller, cheaper student that starts from the trained network's blocks (a fine-tune, e.g. distilled
+    with ``--teacher``, then teaches the rest of the stack to do without the dropped ones)."""
+    n = len(config.dilations)
+    if not keep or keep != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= n:
+        raise SystemExit(f"--keep-blocks: increasing block indices in 0..{n - 1}, got {keep}")
+    if config.lookahead_blocks:
+        raise SystemExit("--keep-blocks: the model has centred (lookahead) blocks; keep-blocks is for causal ones")
+    small = dataclasses.replace(config, dilations=tuple(config.dilations[i] for i in keep))
+    state = {}
+    for k, v in weights.items():
+        if k.startswith("blocks."):
+            _, index, rest = k.split(".", 2)
+            if int(index) in keep:
+                state[f"blocks.{keep.index(int(index))}.{rest}"] = v.clone()
+        else:
+            state[k] = v.clone()
+    return small, state
+
+
 # ---------------------------------------------------------------- a run, step by step
 
 
@@ -129,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     log = RunLog(args.run)
     setup = build_config(args)
     corpus, names = load_corpus(args.corpus)
-    model, opt, config, progress = build_model(args, setup, corpus, names, device, log)
-    trainer = Trainer(args, setup, config, model, opt, progress, corpus, device, log)
+    teacher = load_teacher(args.teacher, device)
+    model, opt, config, progress = build_model(args, setup, corpus, names, device, log, teacher)
+    trainer = Trainer(args, setup, config, model, opt, progress, corpus, device, log, teacher)
     trainer.train()
     trainer.finish()
 
@@ -224,6 +246,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "lookahead_blocks centres the last blocks (appended ones start as a pure delay)",
     )
     p.add_argument(
+        "--keep-blocks",
+        type=str,
+        default=None,
+        help="a smaller student: of the --init model's residual blocks keep only these (comma-separated "
+        "indices in order, e.g. 0,1,2,3,4); the others are dropped",
+    )
+    p.add_argument(
+        "--teacher",
+        type=Path,
+        default=None,
+        help="distillation: a model directory (e.g. cosystream/models/default) whose frame posteriors the run "
+        "learns beside the CTC targets, on the same augmented features (its prior correction taken out)",
+    )
+    p.add_argument(
+        "--distill",
+        type=float,
+        default=0.5,
+        help="with --teacher: the share of the loss that is the KL divergence from the teacher's posteriors "
+        "per frame (the CTC loss has the rest)",
+    )
+    p.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast for the network (about 2x faster on CPUs with AMX)"
     )
     return p.parse_args(argv)
@@ -253,20 +296,44 @@ def load_corpus(directory: Path) -> tuple[Corpus, list[str]]:
     return corpus, names
 
 
+def load_teacher(directory: Path | None, device: torch.device) -> ConvCtcModel | None:
+    """``--teacher``'s model, frozen, in eval mode on ``device``, without its prior correction (the student
+    learns the network's posteriors, not the decoding-time correction); None without one."""
+    if directory is None:
+        return None
+    teacher = load_model(directory)
+    if not isinstance(teacher, ConvCtcModel):
+        raise SystemExit(f"--teacher {directory}: not a conv_ctc model")
+    undo_prior(teacher, directory)
+    return teacher.eval().requires_grad_(False).to(device)
+
+
 def build_model(
-    args: argparse.Namespace, setup: RunConfig, corpus: Corpus, names: list[str], device: torch.device, log: RunLog
+    args: argparse.Namespace,
+    setup: RunConfig,
+    corpus: Corpus,
+    names: list[str],
+    device: torch.device,
+    log: RunLog,
+    teacher: ConvCtcModel | None = None,
 ) -> tuple[ConvCtcModel, torch.optim.AdamW, ConvCtcConfig, Progress]:
     """The model and its optimizer on ``device``, their config, and where the run stands: resumed from its
-    ``last.pt``, or new (from ``--init``'s weights, or from scratch with features normalized on the corpus)."""
+    ``last.pt``, or new (from ``--init``'s weights, or from scratch with features normalized on the corpus,
+    or as ``teacher``'s are: both then see the same features)."""
     ck = load_last(args.run / "last.pt", setup.lexicon_digest)
     config, weights = starting_weights(args, setup, ck)
+    if teacher is not None and tuple(teacher.vocabulary) != tuple(config.vocabulary):
+        raise SystemExit("--teacher: its output units are not the run's (pass the --lexicon it was trained with)")
     model, opt = model_and_optimizer(config, weights, args.weight_decay, args.peak_lr)
     torch.manual_seed(args.seed)
     if ck is not None:
         progress = resume(ck, opt, log)
     else:
         progress = Progress()
-        if weights is None:
+        if weights is None and teacher is not None:
+            model.features.shift.copy_(teacher.features.shift)
+            model.features.scale.copy_(teacher.features.scale)
+        elif weights is None:
             shift, scale = feature_stats(model, corpus, names, np.random.default_rng(args.seed))
             model.features.shift.copy_(shift)
             model.features.scale.copy_(scale)
@@ -326,6 +393,10 @@ def starting_weights(
         raise SystemExit(
             "the model's tokens are not letters (a phoneme model?): pass the --lexicon it was trained with"
         )
+    if ck is None and args.keep_blocks is not None:
+        if weights is None:
+            raise SystemExit("--keep-blocks: needs an --init model to take the blocks from")
+        config, weights = keep_blocks(config, weights, [int(i) for i in args.keep_blocks.split(",")])
     deeper = setup.overrides.get("dilations")
     if ck is None and weights is not None and deeper is not None and tuple(deeper) != config.dilations:
         lookahead = setup.overrides.get("lookahead_blocks", 0)
