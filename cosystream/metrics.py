@@ -29,6 +29,35 @@ def _metrics() -> dict:
     STEP_SECONDS = Histogram("cosystream_step_seconds", "Model step time (runner.run).", buckets=STEP_BUCKETS_S)
     BATCH_SIZE = Histogram("cosystream_batch_size", "Sessions (rows) per model step.", buckets=BATCH_BUCKETS)
     DEADLINE_MISSES = Counter("cosystream_deadline_misses", "REALTIME frames stepped later than their deadline.")
+    # Per served model name (serve --model NAME=DIR), and the adaptive fallback (serve --adaptive HEAVY=LIGHT).
+    MODEL_SESSIONS = Gauge(
+        "cosystream_model_sessions",
+        "Sessions per model (every version of it).",
+        ["model"],
+        multiprocess_mode="livesum",
+    )
+    ADAPTIVE_FALLBACK = Gauge(
+        "cosystream_adaptive_fallback",
+        "1 while new utterances of this HEAVY model run on its LIGHT model (serve --adaptive).",
+        ["model"],
+        multiprocess_mode="livemax",
+    )
+    ADAPTIVE_SWITCHES = Counter(
+        "cosystream_adaptive_switches", "Adaptive mode changes of this HEAVY model, by new mode.", ["model", "to"]
+    )
+    ENGINE_LOAD = Gauge(
+        "cosystream_engine_load",
+        "The engine's projected realtime load: busy share of its loop, LIGHT rows counted at HEAVY's cost.",
+        ["engine"],
+        multiprocess_mode="livemax",
+    )
+    # Per engine process (serve --engines, --device cuda:all): "0" when there is one.
+    ENGINE_SESSIONS = Gauge(
+        "cosystream_engine_sessions",
+        "Sessions holding a slot, per engine.",
+        ["engine"],
+        multiprocess_mode="livesum",
+    )
     RESULT_LATENCY = Histogram(
         "cosystream_result_latency_seconds",
         "From receiving the audio that completed a frame to sending the result it produced.",
@@ -74,11 +103,13 @@ REJECT_REASONS = (
 class EngineMetrics:
     """What the engine process records per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: str = "0") -> None:
         self._m = _metrics()
+        self.engine = engine
         for priority in PRIORITIES:  # every series exists from start-up, at 0
             self._m["FRAMES"].labels(priority)
             self._m["ACTIVE_SESSIONS"].labels(priority).set(0)
+        self._m["ENGINE_SESSIONS"].labels(engine).set(0)
 
     def observe_step(self, priority: str, rows: int, frames: int, seconds: float, deadline_misses: int) -> None:
         self._m["FRAMES"].labels(priority).inc(rows * frames)
@@ -90,6 +121,19 @@ class EngineMetrics:
     def set_active(self, counts: dict[str, int]) -> None:
         for priority, count in counts.items():
             self._m["ACTIVE_SESSIONS"].labels(priority).set(count)
+        self._m["ENGINE_SESSIONS"].labels(self.engine).set(sum(counts.values()))
+
+    def set_model_sessions(self, counts: dict[str, int]) -> None:
+        for model, count in counts.items():
+            self._m["MODEL_SESSIONS"].labels(model).set(count)
+
+    def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
+        self._m["ADAPTIVE_FALLBACK"].labels(heavy).set(1 if light else 0)
+        self._m["ADAPTIVE_SWITCHES"].labels(heavy, "light" if light else "heavy").inc()
+        self._m["ENGINE_LOAD"].labels(self.engine).set(load)
+
+    def set_load(self, load: float) -> None:
+        self._m["ENGINE_LOAD"].labels(self.engine).set(load)
 
 
 class FrontendMetrics:

@@ -215,13 +215,18 @@ class Served:
     def info(self, timeout_s: float = 10.0) -> pb.ServerInfo:
         return self.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout_s)
 
-    def metric(self, name: str) -> float:
-        """The sum of a Prometheus metric's samples (all labels)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a Prometheus metric's samples: those with ``labels`` (none given: all of them)."""
         import re
         import urllib.request
 
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        total = 0.0
+        for found, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+            have = dict(re.findall(r'(\w+)="([^"]*)"', found))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(value)
+        return total
 
     def wait(self, predicate, timeout_s: float, what: str):
         """Poll ``predicate()`` until it is truthy; its value, or an AssertionError naming ``what``."""

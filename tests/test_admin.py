@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,7 +28,7 @@ from cosystream.models import FRAME_SAMPLES, content_version, load_model
 from cosystream.models.loading import DEFAULT_MODEL_DIR, model_name
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from tests.servers import Served
+from tests.servers import HeldStream, Served
 from tests.speech import encode, needs_espeak, silence, speech
 
 DEFAULT = model_name(None)
@@ -348,3 +349,34 @@ def test_admin_calls_need_an_admin_token(tmp_path, v2_dir):
         done = admin_cli(served, "load", "v2", v2_dir, token="ops-secret-0123456789abcdef")
         assert done.returncode == 0, done.stderr
         channel.close()
+
+
+def test_a_load_at_a_precision_reaches_every_engine(v2_dir):
+    """``admin load --precision`` serves the model at that precision on each engine of the server (a new
+    version of it keeps it); a precision the device cannot run is refused, naming the engine."""
+    with Served("--frontends", "1", "--engines", "2") as served:
+        done = admin_cli(served, "load", "v2", v2_dir, "--precision", "int8")
+        assert done.returncode == 0, done.stderr
+        assert {m.name: m.precision for m in served.info().models} == {DEFAULT: "float32", "v2": "int8"}
+        again = admin_cli(served, "load", "v2", nudged_copy_to(v2_dir))
+        assert again.returncode == 0, again.stderr
+        assert {m.name: m.precision for m in served.info().models}["v2"] == "int8"
+        # Engine 0 holds a session, so the next one goes to engine 1: v2 serves there too.
+        held = HeldStream(served.stub())
+        try:
+            served.wait(lambda: served.metric("cosystream_engine_sessions", engine="0") == 1, 10, "a session on 0")
+            assert [r.model for r in results_of(served, "v2")] == ["v2"]
+        finally:
+            held.close()
+        refused = admin_cli(served, "load", "v3", v2_dir, "--precision", "float16")
+        assert refused.returncode == 1 and "engine 0" in refused.stderr and "CUDA" in refused.stderr, (
+            refused.stderr
+        )
+        bogus = admin_cli(served, "load", "v3", v2_dir, "--precision", "float8")
+        assert bogus.returncode == 1 and "INVALID_ARGUMENT" in bogus.stderr and "float8" in bogus.stderr
+        assert [m.name for m in served.info().models] == [DEFAULT, "v2"]
+
+
+def nudged_copy_to(directory: str) -> str:
+    """Another version of the model in ``directory`` (its weights scaled again), beside it."""
+    return nudged_copy(Path(directory).parent / (Path(directory).name + "-again"), scale=1.002)

@@ -89,20 +89,52 @@ def parse_precision_arg(value: str) -> tuple[str | None, str]:
     return (name if sep else None), precision
 
 
+def parse_adaptive_arg(value: str) -> tuple[str, str]:
+    """``--adaptive HEAVY=LIGHT`` -> (HEAVY, LIGHT)."""
+    heavy, sep, light = value.partition("=")
+    if not sep or not heavy or not light:
+        raise argparse.ArgumentTypeError(f"{value!r}: give HEAVY=LIGHT, two served model names")
+    return heavy, light
+
+
+def adaptive_config(args: argparse.Namespace):
+    """``--adaptive`` and its marks, checked against the served models (ValueError, one line); None without."""
+    from cosystream.engine.adaptive import AdaptiveConfig
+
+    if not args.adaptive:
+        if args.adaptive_high is not None or args.adaptive_low is not None:
+            raise ValueError("--adaptive-high and --adaptive-low need --adaptive HEAVY=LIGHT")
+        return None
+    names = {source.name for source in args.models}
+    default = args.models[0].name
+    pairs = [tuple(default if n in ("", "default") else n for n in pair) for pair in args.adaptive]
+    for heavy, light in pairs:
+        for name in (heavy, light):
+            if name not in names:
+                raise ValueError(
+                    f"--adaptive {heavy}={light}: no model {name!r} is served (served: {', '.join(sorted(names))})"
+                )
+    return AdaptiveConfig(tuple(pairs), **given(high=args.adaptive_high, low=args.adaptive_low))
+
+
 def served_models(args: argparse.Namespace):
     """The ``--model`` flags as the served models, the first the default, at their ``--precision`` (ValueError,
     one line, if not)."""
-    from cosystream.models.loading import check_precision, model_sources
+    from cosystream.models.loading import check_precision, embedded_model, model_sources
 
-    for _, path in args.model:
-        if not os.path.isdir(path):
+    entries = []
+    for name, path in args.model:
+        if path.startswith("embedded:"):
+            path = embedded_model(path.removeprefix("embedded:"))  # (ValueError: no such embedded model)
+        elif not os.path.isdir(path):
             raise ValueError(f"--model {path}: no such directory (a model directory: docs/MODELS.md)")
-    sources = model_sources(args.model)
+        entries.append((name, path))
+    sources = model_sources(entries)
     given = dict(getattr(args, "precision", None) or [])
     unknown = sorted(name for name in given if name is not None and name not in {s.name for s in sources})
     if unknown:
         raise ValueError(f"--precision {unknown[0]}=...: no model of that name is served")
-    device = getattr(args, "device", "auto")
+    device = getattr(args, "device", "auto").split(",")[0].replace("cuda:all", "cuda")  # (the kind is what counts)
     if device == "auto":
         import torch
 
@@ -210,7 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="address for /metrics (default: the --host value, so a loopback server keeps its metrics local)",
     )
-    serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    serve.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | cuda:N, or one engine per GPU: cuda:all or a list, cuda:0,cuda:1",
+    )
+    serve.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engine processes on --device (each with its own slots: --max-sessions is per engine); new "
+        "sessions go to the least-loaded one, and one that fails ends only its own sessions",
+    )
     serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS)
     serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
     serve.add_argument(
@@ -220,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="[NAME=]DIR",
         help="a model directory to serve, named NAME (default: the name in its config.json); repeat it to "
-        "serve several, the first being the default (default: the embedded English model)",
+        "serve several, the first being the default (default: the embedded English model). "
+        "embedded:default and embedded:light are the models that come with cosystream",
     )
     serve.add_argument(
         "--precision",
@@ -230,6 +274,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]DTYPE",
         help="serve model NAME (no NAME: every model) at DTYPE: float32 (the default), bfloat16, float16 (CUDA "
         "only) or int8 (CPU only, dynamic quantization); see docs/MODELS.md for what each costs in accuracy",
+    )
+    serve.add_argument(
+        "--adaptive",
+        action="append",
+        type=parse_adaptive_arg,
+        default=[],
+        metavar="HEAVY=LIGHT",
+        help="under load, run new utterances of sessions that asked for model HEAVY on model LIGHT (both "
+        "served), and return them once the load has fallen (docs/MODELS.md)",
+    )
+    serve.add_argument(
+        "--adaptive-high",
+        type=float,
+        default=None,
+        help="the engine's projected load (busy share) at which --adaptive falls back to LIGHT (default: 0.85)",
+    )
+    serve.add_argument(
+        "--adaptive-low",
+        type=float,
+        default=None,
+        help="the projected load at or below which --adaptive returns to HEAVY (default: 0.55)",
     )
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
@@ -314,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
         "name", metavar="NAME", help="the name sessions ask for (a served name: a new version of it)"
     )
     load.add_argument("directory", metavar="DIR", help="the model directory, as the server's host sees it")
+    load.add_argument(
+        "--precision",
+        default="",
+        help="serve it at float32, bfloat16, float16 (CUDA) or int8 (CPU) (default: the precision the name is "
+        "served at; a new name: float32)",
+    )
     unload = calls.add_parser("unload", help="stop serving the model NAME (live sessions finish on it)")
     unload.add_argument("name", metavar="NAME")
     for call in (load, unload):
@@ -400,7 +471,10 @@ def admin_command(args: argparse.Namespace) -> int:
             # (A relative directory is the caller's: the server's working directory is another.)
             started = time.monotonic()
             reply = stub.LoadModel(
-                pb.LoadModelRequest(name=args.name, path=os.path.abspath(args.directory)), timeout=args.timeout
+                pb.LoadModelRequest(
+                    name=args.name, path=os.path.abspath(args.directory), precision=args.precision
+                ),
+                timeout=args.timeout,
             )
             model = reply.model
             print(
@@ -464,13 +538,15 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
     from cosystream.app.supervisor import RestartPolicy, ServeError, Supervisor
     from cosystream.audio.endpointing import EndpointingConfig
     from cosystream.engine.core import EngineConfig
-    from cosystream.engine.process import EngineProcessConfig, resolve_device
+    from cosystream.engine.process import EngineProcessConfig, resolve_devices
     from cosystream.runtime.runner import GraphMode
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.servicer import StreamOptions
 
     try:
-        resolve_device(args.device)  # --device cuda without CUDA: say so now, not from the engine
+        devices = resolve_devices(args.device, args.engines)  # --device cuda without CUDA: said now
+        if args.naive and len(devices) > 1:
+            raise ValueError("--naive runs no engine process: --engines and device lists do not go with it")
         endpointing = EndpointingConfig(
             **given(silence_ms=args.silence_ms, max_utterance_ms=args.max_utterance_ms)
         )
@@ -482,6 +558,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
         )
+        adaptive = adaptive_config(args)
         decoder = decoder_request(args)
         decoders = model_decoders(decoder, args.models)
         tls, auth_tokens = security_config(args)
@@ -500,7 +577,8 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         authkey=os.urandom(16),
         engine=engine,
         models=args.models,
-        device=args.device,
+        adaptive=adaptive,
+        device=devices[0],
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
@@ -530,6 +608,11 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
     restarts = RestartPolicy(**given(max_failures=args.max_failures, window_s=args.restart_window_s))
     if restarts.max_failures < 1:
         sys.exit("cosystream serve: --max-failures must be >= 1")
+    if len(devices) > 1:
+        process = [
+            dataclasses.replace(process, address=os.path.join(run_dir, f"engine-{i}.sock"), device=d, index=i)
+            for i, d in enumerate(devices)
+        ]
     supervisor = Supervisor(
         process,
         frontend,

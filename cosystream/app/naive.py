@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from cosystream.engine.ipc import LOAD_FAILED, EngineInfo
+from cosystream.engine.ipc import LOAD_FAILED, EngineInfo, ModelInfo
 from cosystream.engine.process import model_info, server_info
 from cosystream.engine.scheduler import Priority
 from cosystream.models import ModelSource, load_model
@@ -57,6 +57,9 @@ class NaiveEngine:
         if self.on_change is not None:
             self.on_change()
 
+    def model_by_id(self, model: int) -> ModelInfo | None:
+        return next((m for m in self.info.models if m.id == model), None)
+
     def new_key(self) -> int:
         self._next_key += 1
         return self._next_key
@@ -76,7 +79,7 @@ class NaiveEngine:
         self._caches[key] = self.model.init_caches(1)
         self._loop.call_soon(sink.on_opened, 0)
 
-    async def load_model(self, name: str, path: str):
+    async def load_model(self, name: str, path: str, precision: str = ""):
         raise ModelLoadError(LOAD_FAILED, "the naive baseline serves one model: it cannot load another")
 
     async def unload_model(self, name: str) -> None:

@@ -57,7 +57,7 @@ WATCH_PERIOD_S = 0.1
 
 def frontend_main(
     config: FrontendConfig,
-    address: str,
+    address: str | list[str],
     authkey: bytes,
     log_level: str,
     log_format: str,
@@ -112,7 +112,7 @@ class ServeError(RuntimeError):
 class Supervisor:
     def __init__(
         self,
-        process: EngineProcessConfig,
+        process: EngineProcessConfig | list[EngineProcessConfig],
         frontend: FrontendConfig,
         frontends: int,
         metrics_port: int,
@@ -120,7 +120,9 @@ class Supervisor:
         restarts: RestartPolicy | None = None,
         metrics_host: str = "0.0.0.0",
     ):
-        self.process = process
+        # One config per engine process (``serve --engines``, ``--device cuda:all``): each its own socket and device.
+        self.processes = [process] if isinstance(process, EngineProcessConfig) else list(process)
+        self.process = self.processes[0]
         self.frontend_config = frontend
         self.frontends = frontends
         self.metrics_port = metrics_port
@@ -130,7 +132,7 @@ class Supervisor:
         self.naive = naive
         self.restarts = restarts or RestartPolicy()
         self.children: dict[int, mp.Process] = {}
-        self.engine: EngineHandle | None = None
+        self.engines: list[EngineHandle | None] = [None] * len(self.processes)
 
     def serve_metrics(self) -> None:
         """Bind ``/metrics`` before anything starts, so a busy port fails at once (``OSError``)."""
@@ -152,11 +154,13 @@ class Supervisor:
                     child.terminate()
                 child.join(5)
                 process_exited(child.pid)
-            if self.engine is not None:
-                self._stop_engine()
+            for handle in self.engines:
+                if handle is not None:
+                    self._stop_engine(handle)
 
-    def _stop_engine(self) -> None:
-        engine = self.engine.process
+    @staticmethod
+    def _stop_engine(handle: EngineHandle) -> None:
+        engine = handle.process
         engine.terminate()
         engine.join(10)
         if engine.is_alive():
@@ -205,27 +209,40 @@ class Supervisor:
     def _token_sessions(self, index: int) -> TokenSessions | None:
         return None if self.token_sessions is None else self.token_sessions.for_frontend(index)
 
-    def _start_engine(self) -> EngineHandle:
+    def _start_engine(self, index: int) -> EngineHandle:
         with _sighup_blocked():  # for good: the engine has nothing to reload
-            return start_engine(self.process)
+            self.engines[index] = start_engine(self.processes[index])
+        return self.engines[index]
 
-    async def _engine_ready(self, stop: asyncio.Event) -> bool:
-        """Wait for the current engine to be ready (False: stopped first). Raises EngineStartError."""
-        while not self.engine.wait_ready(0):
-            if stop.is_set():
-                return False
-            await asyncio.sleep(WATCH_PERIOD_S)
+    @property
+    def _addresses(self) -> list[str]:
+        return [process.address for process in self.processes]
+
+    async def _engine_ready(self, stop: asyncio.Event, index: int | None = None) -> bool:
+        """Wait for engine ``index`` (None: every engine) to be ready (False: stopped first). Raises
+        EngineStartError (naming the engine when there are several)."""
+        for i in range(len(self.engines)) if index is None else [index]:
+            try:
+                while not self.engines[i].wait_ready(0):
+                    if stop.is_set():
+                        return False
+                    await asyncio.sleep(WATCH_PERIOD_S)
+            except EngineStartError as err:
+                if len(self.engines) == 1:
+                    raise
+                raise EngineStartError(f"engine {i} ({self.processes[i].device}): {err}") from None
         return True
 
     async def _serve(self) -> int:
         frontend = Frontend(
             self.frontend_config,
-            self.process.address,
+            self._addresses if len(self.processes) > 1 else self.process.address,
             self.process.authkey,
             token_sessions=self._token_sessions(0),
         )
         stop = self._stop_event(frontend)
-        self.engine = self._start_engine()
+        for index in range(len(self.processes)):
+            self._start_engine(index)
         start = asyncio.create_task(frontend.start())
         try:
             if not await self._engine_ready(stop):
@@ -234,10 +251,11 @@ class Supervisor:
                 await asyncio.wait({start}, timeout=WATCH_PERIOD_S)
                 if stop.is_set():
                     return 0
-                if not self.engine.process.is_alive():
-                    raise ServeError(
-                        f"the engine process exited during start-up (exit code {self.engine.process.exitcode})"
-                    )
+                for handle in self.engines:
+                    if not handle.process.is_alive():
+                        raise ServeError(
+                            f"the engine process exited during start-up (exit code {handle.process.exitcode})"
+                        )
         except EngineStartError as err:
             raise ServeError(f"the engine could not start: {err}") from None
         finally:
@@ -281,7 +299,7 @@ class Supervisor:
             target=frontend_main,
             args=(
                 self.frontend_config,
-                self.process.address,
+                self._addresses if len(self.processes) > 1 else self.process.address,
                 self.process.authkey,
                 self.process.log_level,
                 self.process.log_format,
@@ -296,22 +314,24 @@ class Supervisor:
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Until ``stop``: restart the engine and respawn frontends that die. Raises ServeError on giving up."""
-        restarting: asyncio.Task | None = None
+        restarting: dict[int, asyncio.Task] = {}  # per engine index
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), WATCH_PERIOD_S)
             if stop.is_set():
                 break
-            if restarting is not None and restarting.done():
-                restarting.result()  # a ServeError ends serve
-                restarting = None
-            if restarting is None and not self.engine.process.is_alive():
-                restarting = asyncio.create_task(self._restart_engine(stop))
+            for index, task in list(restarting.items()):
+                if task.done():
+                    task.result()  # a ServeError ends serve
+                    del restarting[index]
+            for index, handle in enumerate(self.engines):
+                if index not in restarting and not handle.process.is_alive():
+                    restarting[index] = asyncio.create_task(self._restart_engine(stop, index))
             for index, child in list(self.children.items()):
                 if not child.is_alive():  # (reaps it: no zombie)
                     await self._respawn_frontend(index, child, stop)
-        if restarting is not None:
-            restarting.cancel()
+        for task in restarting.values():
+            task.cancel()
 
     def _failed(self, dead: mp.Process, what: str) -> float:
         """Count a dead process against the restart policy: the backoff before its restart, or ServeError
@@ -325,16 +345,17 @@ class Supervisor:
             )
         return backoff_s
 
-    async def _restart_engine(self, stop: asyncio.Event) -> None:
+    async def _restart_engine(self, stop: asyncio.Event, index: int = 0) -> None:
+        which = "the engine process" if len(self.engines) == 1 else f"engine {index}"
         while True:
-            dead = self.engine.process
-            backoff_s = self._failed(dead, "the engine process died {n} times")
-            log.error("the engine process died (exit code %s); restarting it in %.1f s", dead.exitcode, backoff_s)
+            dead = self.engines[index].process
+            backoff_s = self._failed(dead, which + " died {n} times")
+            log.error("%s died (exit code %s); restarting it in %.1f s", which, dead.exitcode, backoff_s)
             await asyncio.sleep(backoff_s)
-            self.engine = self._start_engine()
+            self._start_engine(index)
             try:
-                if await self._engine_ready(stop):
-                    log.info("engine restarted")
+                if await self._engine_ready(stop, index):
+                    log.info("%s restarted", "engine" if len(self.engines) == 1 else which)
                 return
             except EngineStartError as err:
                 log.error("the restarted engine could not start: %s", err)

@@ -14,11 +14,16 @@ index never changes and is never reused, so a name has a current index (``served
 of it was installed, older ones that live sessions still run. A session moves to its name's current version
 at its next RESET (the caches are zeroed there anyway); an index no slot holds any longer, and that is not
 served, is freed (its slab and runner dropped).
+
+With ``--adaptive HEAVY=LIGHT`` (``engine/adaptive.py``) a session is kept under the name it asked for, and
+runs each utterance on that name's current version, or on LIGHT's while the engine's projected load is
+high: the same move between utterances as for a new version.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 
 from cosystream.engine import ipc
+from cosystream.engine.adaptive import AdaptiveConfig, AdaptivePolicy, Switch
 from cosystream.engine.frame_queue import FrameQueue
 from cosystream.engine.scheduler import (
     BATCH_STEP_BUDGET_S,
@@ -82,6 +88,18 @@ class StepObserver(Protocol):
 
     def set_active(self, counts: dict[str, int]) -> None: ...
 
+    def set_model_sessions(self, counts: dict[str, int]) -> None:
+        """Sessions per served model name (the version they run aside)."""
+        ...
+
+    def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
+        """``heavy``'s new utterances now run on its LIGHT model (``light``) or on itself; ``load`` caused it."""
+        ...
+
+    def set_load(self, load: float) -> None:
+        """The engine's projected realtime load (``engine/adaptive.py``), once per window."""
+        ...
+
 
 class EngineCore:
     def __init__(
@@ -91,9 +109,12 @@ class EngineCore:
         device: torch.device,
         metrics: StepObserver | None = None,
         names: Sequence[str] | None = None,
+        adaptive: AdaptiveConfig | None = None,
+        clock=time.monotonic,
     ):
         """``models``: one model, or several (sessions name one by its index; 0 is the default), served under
-        ``names`` (None: their indices)."""
+        ``names`` (None: their indices). ``adaptive``: models that fall back to lighter ones under load
+        (their names must be served); ``clock``: the adaptive policy's (the tests' fake one)."""
         # Per model index; None once freed.
         self.models: list[torch.nn.Module | None] = (
             [models] if isinstance(models, torch.nn.Module) else list(models)
@@ -150,6 +171,18 @@ class EngineCore:
         self.freed_models = 0  # model versions freed since start-up (replaced or unloaded, and unused)
         self.model_changes = 0  # counts installs, unloads and frees: frontends are told when it moves
         self.admin_ops: list[tuple[int, tuple]] = []  # (frontend, LOAD, UNLOAD or PREPARED op): the process's
+        self._asked = [""] * config.max_sessions  # per slot: the model name the session asked for
+        self.adaptive: AdaptivePolicy | None = None
+        self._fallbacks: dict[str, str] = {}
+        if adaptive is not None and adaptive.pairs:
+            for heavy, light in adaptive.pairs:
+                for name in (heavy, light):
+                    if name not in self.served:
+                        raise ValueError(f"--adaptive {heavy}={light}: no model {name!r} is served")
+            self.adaptive = AdaptivePolicy(adaptive, clock)
+            self._fallbacks = adaptive.fallbacks
+        self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
+        self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
     # --- frontend messages -----------------------------------------------------------------------
 
@@ -190,15 +223,25 @@ class EngineCore:
                 self.scheduler.remove(slot)
         self._outbox.pop(frontend, None)
 
+    def _current(self, asked: str) -> int | None:
+        """The model index the next utterance of a session that asked for ``asked`` runs on: its current
+        version, or its LIGHT model's while the adaptive policy says so (None: ``asked`` is not served)."""
+        index = self.served.get(asked)
+        if index is not None and self.adaptive is not None and self.adaptive.light:
+            light = self.served.get(self._fallbacks.get(asked, ""))
+            if light is not None:
+                return light
+        return index
+
     def _open(self, frontend: int, key: int, priority: Priority, model: int) -> None:
         # A frontend names the index its latest models list gave; one replaced since gets the current version
         # (OPENED says which), one unloaded since is refused.
-        current = self.served.get(self.names[model]) if 0 <= model < len(self.names) else None
+        current = self._current(self.names[model]) if 0 <= model < len(self.names) else None
         if current is None:
             what = f"model {self.names[model]!r} is no longer served" if 0 <= model < len(self.names) else ""
             self._box(frontend).events.append((ipc.REJECTED, key, what or f"no model {model} in this engine"))
             return
-        model = current
+        asked, model = self.names[model], current
         try:
             shed = self.scheduler.admit(priority)
         except AdmissionError as err:
@@ -217,6 +260,7 @@ class EngineCore:
         self._owner[slot] = (frontend, key)
         self._priority[slot] = priority
         self._model_of[slot] = model
+        self._asked[slot] = asked
         self._holders[model] += 1
         self._fresh[slot] = 1
         self._slot_of[(frontend, key)] = slot
@@ -229,9 +273,10 @@ class EngineCore:
         self._move_to_current(frontend, key, slot)
 
     def _move_to_current(self, frontend: int, key: int, slot: int) -> None:
-        """Between utterances: a session of a replaced version goes on with the current one."""
+        """Between utterances: a session of a replaced version goes on with the current one (or, adaptive,
+        with its LIGHT or HEAVY model as the load says)."""
         model = self._model_of[slot]
-        current = self.served.get(self.names[model])
+        current = self._current(self._asked[slot])
         if current is None or current == model:
             return
         self.slabs[current].reset(slot)  # (rows no session holds are zero already: this is cheap insurance)
@@ -289,16 +334,61 @@ class EngineCore:
             self._free_model(previous)
         return index, previous
 
-    def move_idle(self, model: int) -> int:
-        """Move the sessions of the replaced version ``model`` that are between utterances (reset, and no
-        frame since) to the current version now, not at their next RESET; how many moved. O(slots)."""
+    def move_idle(self, model: int | None = None) -> int:
+        """Move the sessions of ``model`` (None: of any model) that are between utterances (reset, and no
+        frame since) to the version they run next now, not at their next RESET; how many moved. O(slots)."""
         moved = 0
         for slot, fresh in enumerate(self._fresh):
             owner = self._owner[slot]
-            if fresh and owner is not None and self._model_of[slot] == model:
+            if fresh and owner is not None and (model is None or self._model_of[slot] == model):
+                before = self._model_of[slot]
                 self._move_to_current(owner[0], owner[1], slot)
-                moved += 1
+                moved += self._model_of[slot] != before
         return moved
+
+    # --- the adaptive model under load -----------------------------------------------------------
+
+    def observe_load(self, busy_s: float) -> Switch | None:
+        """The loop was busy ``busy_s`` since the last call (everything but waiting for input): fed to the
+        adaptive policy as realtime load, BATCH steps taken out and LIGHT rows counted at HEAVY's cost. On a
+        switch, sessions between utterances move at once, the others at their next utterance."""
+        if self.adaptive is None:
+            return None
+        policy = self.adaptive
+        windows = policy.windows
+        policy.add(busy_s - self._batch_s + self._projection_s)
+        self._batch_s = self._projection_s = 0.0
+        switch = policy.update()
+        if self.metrics is not None and policy.windows != windows:
+            self.metrics.set_load(policy.load)
+        if switch is None:
+            return None
+        moved = self.move_idle()
+        log.info(
+            "projected load %.2f: new utterances of %s run on %s (%d sessions between utterances moved now)",
+            switch.load,
+            ", ".join(self._fallbacks),
+            ", ".join(self._fallbacks.values()) if switch.light else "themselves",
+            moved,
+        )
+        if self.metrics is not None:
+            for heavy in self._fallbacks:
+                self.metrics.observe_adaptive(heavy, switch.light, switch.load)
+        return switch
+
+    def _project(self, plan: StepPlan, compute_s: float) -> None:
+        """What a realtime step with rows on a LIGHT fallback would have cost more on HEAVY (the scheduler's
+        cost model of HEAVY; its share of the rows)."""
+        fallback = [slot for slot in plan.slots if self._asked[slot] != self.names[plan.model]]
+        if not fallback:
+            return
+        heavy = self.served.get(self._asked[fallback[0]])
+        if heavy is None:
+            return
+        heavy_s = self.scheduler.estimate_cost_s(plan.rows, plan.frames, heavy)
+        light_s = self.scheduler.estimate_cost_s(plan.rows, plan.frames, plan.model)
+        if math.isfinite(heavy_s) and light_s > 0:
+            self._projection_s += compute_s * (heavy_s / light_s - 1) * len(fallback) / plan.rows
 
     def unload(self, name: str) -> int:
         """Stop serving ``name``: new sessions asking for it are refused, live ones finish on it (it is freed
@@ -355,7 +445,13 @@ class EngineCore:
         pcm = self.queue.take(plan.slots, plan.frames, runner.input_buffer(plan.rows, plan.frames))
         started = time.perf_counter()
         result = runner.run(plan.slots, pcm)
-        self.update_from_output(plan, result, time.perf_counter() - started)
+        compute_s = time.perf_counter() - started
+        self.update_from_output(plan, result, compute_s)
+        if self.adaptive is not None:
+            if plan.priority is Priority.BATCH:
+                self._batch_s += compute_s
+            else:
+                self._project(plan, compute_s)
         return plan
 
     def update_from_output(self, plan: StepPlan, result: StepResult, compute_s: float) -> None:
@@ -388,6 +484,14 @@ class EngineCore:
     def post(self, frontend: int, event: tuple) -> None:
         """Queue an event for ``frontend`` in its next message."""
         self._box(frontend).events.append(event)
+
+    def model_sessions(self) -> dict[str, int]:
+        """Sessions per served model name (every version of it; 0 for a name no session runs)."""
+        counts = dict.fromkeys(self.served, 0)
+        for slot in self._slot_of.values():
+            name = self.names[self._model_of[slot]]
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def active_sessions(self) -> dict[str, int]:
         counts = {p.name.lower(): 0 for p in Priority}

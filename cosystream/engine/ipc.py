@@ -34,8 +34,9 @@ class Op(IntEnum):
     RESET = 1
     CLOSE = 2  # (CLOSE, key): free the session's slot; frames still queued for it are dropped
     LISTENING = 3  # (LISTENING, 0): this frontend's gRPC port is open (the server is SERVING once all are)
-    # (LOAD, request, name, path): load the model directory ``path`` and serve it as ``name`` (a new
-    # version of a model served, or a new one); answered LOADED. ``request``: a number the frontend chooses.
+    # (LOAD, request, name, path, precision): load the model directory ``path`` and serve it as ``name`` (a
+    # new version of a model served, or a new one) at ``precision`` ("": as ``name`` is served; a new name:
+    # float32); answered LOADED. ``request``: a number the frontend chooses.
     LOAD = 4
     UNLOAD = 5  # (UNLOAD, request, name): stop serving ``name``; answered UNLOADED
     # (PREPARED, request, error): the answer to PREPARE: this frontend can decode the model ("") or why not

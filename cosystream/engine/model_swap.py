@@ -49,9 +49,10 @@ class ModelLoader:
     installs it. The thread touches nothing the loop uses: it builds a new model, slab and runner
     (``EngineCore.prepare``) and warms them on their own scratch slot."""
 
-    def __init__(self, core: EngineCore, build: Callable[[str, str], tuple[Runner, ipc.ModelInfo]]):
-        """``build(name, path)``: the model at ``path`` loaded, with its runner (``EngineCore.prepare``) warm,
-        and its info; called in the loader's thread, on its CUDA stream, with the current device set."""
+    def __init__(self, core: EngineCore, build: Callable[[str, str, str], tuple[Runner, ipc.ModelInfo]]):
+        """``build(name, path, precision)``: the model at ``path`` loaded at ``precision`` ("": as ``name`` is
+        served), with its runner (``EngineCore.prepare``) warm, and its info; called in the loader's thread,
+        on its CUDA stream, with the current device set."""
         self.core = core
         self.build = build
         self.done: queue.SimpleQueue[LoadedModel] = queue.SimpleQueue()
@@ -65,15 +66,15 @@ class ModelLoader:
         """A frontend went away: it answers no PREPARE."""
         self.waiting.discard(frontend)
 
-    def start(self, frontend: int, request: int, name: str, path: str) -> str | None:
-        """Begin loading ``path`` as ``name``; None, or why it cannot begin."""
+    def start(self, frontend: int, request: int, name: str, path: str, precision: str = "") -> str | None:
+        """Begin loading ``path`` as ``name`` at ``precision``; None, or why it cannot begin."""
         if name in RESERVED_NAMES:
             return f"{name!r} cannot name a model: it asks for the default one"
         if self._busy:
             return "another model is being loaded: try again once it is done"
         self._busy = True
         threading.Thread(
-            target=self._load, args=(frontend, request, name, path), daemon=True, name="model-load"
+            target=self._load, args=(frontend, request, name, path, precision), daemon=True, name="model-load"
         ).start()
         return None
 
@@ -81,7 +82,7 @@ class ModelLoader:
         """The loop took the last load's result: a new one may start."""
         self._busy = False
 
-    def _load(self, frontend: int, request: int, name: str, path: str) -> None:
+    def _load(self, frontend: int, request: int, name: str, path: str, precision: str) -> None:
         started = time.perf_counter()
         runner = info = None
         error = ""
@@ -96,7 +97,7 @@ class ModelLoader:
                 torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
             )
             with side, torch.no_grad():
-                runner, info = self.build(name, path)
+                runner, info = self.build(name, path, precision)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
         except Exception as err:

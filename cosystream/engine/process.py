@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, Listener, wait
 import torch
 
 from cosystream.engine import ipc
+from cosystream.engine.adaptive import AdaptiveConfig
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.engine.model_swap import ModelLoader, admin, announce_models
 from cosystream.logs import configure as configure_logs
@@ -54,10 +55,35 @@ class EngineProcessConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # The models to serve, the first the default (``models.model_sources``); empty: the embedded model.
     models: tuple[ModelSource, ...] = ()
+    adaptive: AdaptiveConfig | None = None  # models that fall back to lighter ones under load
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cpu_threads: int = 1
     log_level: str = "INFO"
     log_format: str = "text"
+    index: int | None = None  # of several engines (serve --engines, --device cuda:all); None: the only one
+
+    @property
+    def process_name(self) -> str:
+        return "cs-engine" if self.index is None else f"cs-engine-{self.index}"
+
+
+def resolve_devices(name: str, engines: int = 1) -> list[str]:
+    """``--device`` and ``--engines`` as one device name per engine process: ``cuda:all`` is every CUDA
+    device, ``cuda:0,cuda:1`` (or ``cuda:0,1``) a list of them, anything else ``engines`` engines on that device.
+    Raises ValueError (one line) for a device this machine lacks."""
+    if engines < 1:
+        raise ValueError("--engines must be >= 1")
+    if name == "cuda:all":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda:all was asked for, but no CUDA device is available")
+        names = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    elif "," in name:
+        names = [part if part.startswith(("cuda", "cpu")) else f"cuda:{part}" for part in name.split(",")]
+    else:
+        return [str(resolve_device(name))] * engines
+    if engines != 1:
+        raise ValueError(f"--device {name} starts one engine per device: --engines does not go with it")
+    return [str(resolve_device(n)) for n in names]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -169,7 +195,7 @@ def raise_priority(increment: int = -5) -> None:
 
 def engine_main(config: EngineProcessConfig, status: Connection) -> None:
     exit_with_parent()
-    set_process_name("cs-engine")
+    set_process_name(config.process_name)
     raise_priority()
     configure_logs(config.log_level, config.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
@@ -218,7 +244,8 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     started = time.perf_counter()
     sources = config.models or model_sources([])
     models = [load_model(source.path, device=device, precision=source.precision) for source in sources]
-    core = EngineCore(models, engine_config, device, EngineMetrics(), [source.name for source in sources])
+    metrics = EngineMetrics(str(config.index or 0))
+    core = EngineCore(models, engine_config, device, metrics, [source.name for source in sources], config.adaptive)
     warm_up(core)
     log.info(
         "engine ready on %s in %.1f s: %d slots, batch buckets %s, %s; %s",
@@ -299,14 +326,16 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
         infos,
     )
     info = dataclasses.replace(info, held_models=len(core.held_models))
-    # A new version of a served model keeps the precision it was served at; a new model is float32.
-    precisions = {source.name: source.precision for source in sources}
 
-    def build(name: str, path: str) -> tuple[Runner, ipc.ModelInfo]:
+    def build(name: str, path: str, precision: str = "") -> tuple[Runner, ipc.ModelInfo]:
         from cosystream.models import load_model
+        from cosystream.models.loading import check_precision
 
         use_device(core.device)  # (the current CUDA device is per thread)
-        source = ModelSource(name, path, precisions.get(name, PRECISIONS[0]))
+        served = core.served.get(name)  # (a new version keeps the precision its name is served at)
+        current = infos[served].precision if served is not None and infos[served] is not None else PRECISIONS[0]
+        source = ModelSource(name, path, precision or current)
+        check_precision(source.precision, core.device)
         model = load_model(path, device=core.device, precision=source.precision)
         runner = core.prepare(model)
         warm_up_runner(runner)
@@ -322,6 +351,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
     announced = None  # (sessions, listening frontends) as frontends were last told
     last_stats = time.monotonic()
     logged = dataclasses.replace(core.scheduler.stats)
+    iteration_start = time.perf_counter()
     try:
         while not stop.is_set():
             while not incoming.empty():
@@ -330,9 +360,11 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                 frontends[conn] = next_id
                 next_id += 1
                 announced = None  # the new frontend learns the counts
+            waiting_since = time.perf_counter()
             ready = wait(list(frontends), timeout=core.wait_s(IDLE_WAIT_S)) if frontends else []
             if not frontends:
                 time.sleep(IDLE_WAIT_S)
+            waited_s = time.perf_counter() - waiting_since
             for conn in ready:
                 try:
                     message = conn.recv()
@@ -365,10 +397,14 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                         except OSError:
                             core.disconnect(frontend := frontends.pop(conn))
                             loader.forget(frontend)
+            iteration_end = time.perf_counter()
+            core.observe_load(iteration_end - iteration_start - waited_s)  # (adaptive: the loop's busy time)
+            iteration_start = iteration_end
             now = time.monotonic()
             if now - last_metrics > METRICS_PERIOD_S:
                 last_metrics = now
                 core.metrics.set_active(core.active_sessions())
+                core.metrics.set_model_sessions(core.model_sessions())
             if now - last_stats > STATS_LOG_PERIOD_S:
                 logged = log_stats(core, logged, now - last_stats)
                 last_stats = now

@@ -22,6 +22,9 @@ from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel, quantize_lin
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
+# The models that come with the package, by the name ``--model embedded:NAME`` gives them: the default, and a
+# smaller student of it (``--adaptive``'s LIGHT model; its MODEL_CARD.md says what it costs in accuracy).
+EMBEDDED_MODELS = {"default": DEFAULT_MODEL_DIR, "light": Path(__file__).parent / "light"}
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,6 +49,16 @@ class ModelSource:
     @property
     def directory(self) -> Path:
         return Path(self.path) if self.path is not None else DEFAULT_MODEL_DIR
+
+
+def embedded_model(name: str) -> str | None:
+    """``--model embedded:NAME``'s directory (None for the default: the embedded model, as with no
+    ``--model``); ValueError for a name that comes with none."""
+    directory = EMBEDDED_MODELS.get(name)
+    if directory is None or not (directory / CONFIG_FILE).is_file():
+        known = ", ".join(f"embedded:{n}" for n, d in EMBEDDED_MODELS.items() if (d / CONFIG_FILE).is_file())
+        raise ValueError(f"--model embedded:{name}: no such embedded model (there are {known})")
+    return None if directory == DEFAULT_MODEL_DIR else str(directory)
 
 
 def model_name(path: str | Path | None) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from cosystream.engine import ipc
-from cosystream.models.loading import RESERVED_NAMES
+from cosystream.models.loading import PRECISIONS, RESERVED_NAMES
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import ModelLoadError
 from cosystream.server.servicer import CosyStreamServicer, model_message
@@ -56,6 +56,11 @@ class AdminServicer(pb_grpc.AdminServicer):
             )
         if not path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path is required: the model directory")
+        if request.precision and request.precision not in PRECISIONS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"precision {request.precision!r}: one of {', '.join(PRECISIONS)} (or empty: as served)",
+            )
         if not Path(path).is_dir():
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"cannot load {path}: no such directory on the server"
@@ -63,7 +68,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         path = str(Path(path).resolve())
         log.info("loading model %s from %s", name, path)
         try:
-            result = await self.engine.load_model(name, path)
+            result = await self.engine.load_model(name, path, request.precision)
         except ModelLoadError as err:
             log.warning("model %s from %s not loaded: %s", name, path, err)
             await context.abort(_CODES.get(err.failure, grpc.StatusCode.FAILED_PRECONDITION), str(err))

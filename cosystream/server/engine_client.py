@@ -69,12 +69,17 @@ class Engine(Protocol):
 
     def new_key(self) -> int: ...
 
+    def model_by_id(self, model: int) -> ipc.ModelInfo | None:
+        """The model version ``model`` names (a ``ModelInfo.id`` sessions were told of), None if unknown."""
+        ...
+
     def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
         """Open session ``key`` on model ``model`` (a ``ModelInfo.id`` of ``info.models``; 0, the default)."""
         ...
 
-    async def load_model(self, name: str, path: str) -> LoadResult:
-        """Serve the model directory ``path`` as ``name``; raises :class:`ModelLoadError`."""
+    async def load_model(self, name: str, path: str, precision: str = "") -> LoadResult:
+        """Serve the model directory ``path`` as ``name`` at ``precision`` ("": the precision ``name`` is served
+        at); raises :class:`ModelLoadError`."""
         ...
 
     async def unload_model(self, name: str) -> None:
@@ -230,6 +235,9 @@ class EngineClient:
         self._next_key += 1
         return self._next_key
 
+    def model_by_id(self, model: int) -> ipc.ModelInfo | None:
+        return None if self.info is None else next((m for m in self.info.models if m.id == model), None)
+
     def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
         self._sinks[key] = sink
         self._pending.ops.append((ipc.OPEN, key, int(priority), model))
@@ -248,8 +256,8 @@ class EngineClient:
             self._pending.ops.append((ipc.CLOSE, key))
             self._schedule_flush()
 
-    async def load_model(self, name: str, path: str) -> LoadResult:
-        failure, error, model, install_s, load_s = await self._request(ipc.LOAD, name, path)
+    async def load_model(self, name: str, path: str, precision: str = "") -> LoadResult:
+        failure, error, model, install_s, load_s = await self._request(ipc.LOAD, name, path, precision)
         if failure:
             raise ModelLoadError(failure, error)
         return LoadResult(model, load_s, install_s)

@@ -27,6 +27,7 @@ from cosystream.server.admin import ADMIN_SERVICE_NAME, AdminServicer
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
 from cosystream.server.engine_client import Engine, EngineClient
+from cosystream.server.engine_pool import EnginePool
 from cosystream.server.http import HttpConfig
 from cosystream.server.quota import TokenSessions
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
@@ -59,19 +60,23 @@ class Frontend:
     def __init__(
         self,
         config: FrontendConfig,
-        engine_address: str,
+        engine_address: str | list[str],
         authkey: bytes,
         engine: Engine | None = None,
         token_sessions: TokenSessions | None = None,
     ):
         """Raises ``TokenFileError`` / ``TlsError`` (one-line messages) for files that cannot be used.
+        ``engine_address``: the engine's socket, or a list of several engines' (an ``EnginePool``);
         ``token_sessions``: the per-token session counts this frontend shares with its siblings."""
         self.config = config
         self.tokens = TokenStore(config.auth_tokens) if config.auth_tokens else None
         self.credentials = ReloadingCredentials(config.tls) if config.tls else None
         self.token_sessions = token_sessions
         self._watch_tokens: asyncio.Task | None = None
-        self.engine = engine if engine is not None else EngineClient(engine_address, authkey)
+        if engine is None:
+            addresses = [engine_address] if isinstance(engine_address, str) else list(engine_address)
+            engine = EngineClient(addresses[0], authkey) if len(addresses) == 1 else EnginePool(addresses, authkey)
+        self.engine = engine
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
         self.http = None  # the HttpServer, when config.http is set

@@ -35,6 +35,7 @@ from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.metrics import FrontendMetrics
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
+from cosystream.server.engine_pool import EnginePool
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
@@ -406,7 +407,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         return len(self._streams)
 
     def model_by_id(self, model: int) -> ModelInfo | None:
-        return next((m for m in self.info.models if m.id == model), None)
+        return self.engine.model_by_id(model)
 
     async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig:
         """The stream's validated config; raises :class:`_Refused` saying why not."""
@@ -517,6 +518,16 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             ),
             frontends=self.engine.listening_frontends,  # live: those connected to the engine and listening
             loaded_model_versions=info.held_models or len(info.models),
+            engines=[
+                pb.EngineStatus(
+                    index=e.index,
+                    device=e.device,
+                    serving=e.connected,
+                    active_sessions=e.active_sessions,
+                    max_sessions=e.max_sessions,
+                )
+                for e in (self.engine.engines() if isinstance(self.engine, EnginePool) else [])
+            ],
         )
 
     async def drain(self, grace_s: float, final_wait_s: float = 5.0) -> None:

@@ -28,12 +28,14 @@ REALTIME: Priority
 BATCH: Priority
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "precision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    precision: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model", "load_seconds", "install_seconds")
@@ -196,7 +198,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions")
+    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions", "engines")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,7 @@ class ServerInfo(_message.Message):
     DEFAULT_ENDPOINTING_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     LOADED_MODEL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     version: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     encodings: _containers.RepeatedScalarFieldContainer[AudioEncoding]
@@ -219,7 +222,22 @@ class ServerInfo(_message.Message):
     default_endpointing: EndpointingConfig
     frontends: int
     loaded_model_versions: int
-    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("index", "device", "serving", "active_sessions", "max_sessions")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    device: str
+    serving: bool
+    active_sessions: int
+    max_sessions: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., serving: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "language", "sample_rate_hz", "frame_ms", "parameters", "vocabulary", "is_default", "version", "vocabulary_kind", "output_delay_ms", "precision")

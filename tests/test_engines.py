@@ -1,0 +1,141 @@
+"""Several engine processes behind one server (``serve --engines N``; ``--device cuda:all`` is the same with
+one engine per GPU): least-loaded placement, and an engine that dies ending only its own sessions.
+
+A real ``cosystream serve`` with two CPU engines, real gRPC streams, and a real SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from cosystream.v1 import cosystream_pb2 as pb
+from tests.servers import HeldStream, Served
+from tests.speech import encode, needs_espeak, silence, speech
+
+SENTENCE = "please call stella and ask her to bring these things"
+
+
+def engine_sessions(served: Served) -> tuple[int, int]:
+    return tuple(int(served.metric("cosystream_engine_sessions", engine=str(i))) for i in (0, 1))
+
+
+def transcribe(stub, data: bytes) -> str:
+    def requests():
+        yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000))
+        for offset in range(0, len(data), 3200):
+            yield pb.StreamingRecognizeRequest(audio=data[offset : offset + 3200])
+
+    responses = stub.StreamingRecognize(requests(), timeout=60)
+    return " ".join(r.transcript for response in responses for r in response.results if r.is_final)
+
+
+@pytest.fixture(scope="module")
+def served():
+    with Served("--frontends", "1", "--engines", "2", "--max-sessions", "4") as served:
+        yield served
+
+
+def test_server_info_shows_each_engine(served):
+    info = served.info()
+    assert info.max_sessions == 8  # four slots each
+    assert [(e.index, e.device, e.serving, e.max_sessions) for e in info.engines] == [
+        (0, "cpu", True, 4),
+        (1, "cpu", True, 4),
+    ]
+    assert set(served.pids()) >= {"cs-engine-0", "cs-engine-1"}
+
+
+def test_new_sessions_go_to_the_least_loaded_engine(served):
+    stub = served.stub()
+    held = []
+    try:
+        for expected in [(1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3)]:
+            held.append(HeldStream(stub))
+            served.wait(lambda expected=expected: engine_sessions(served) == expected, 10, f"placement {expected}")
+        # Both engines' slots count: six sessions are open on a server of two 4-slot engines.
+        assert served.info().active_sessions == 6
+    finally:
+        for stream in held:
+            stream.close()
+    served.wait(lambda: engine_sessions(served) == (0, 0), 10, "every slot freed")
+
+
+@needs_espeak
+def test_both_engines_transcribe_alike(served):
+    data = encode(np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)]), "LINEAR16")
+    stub = served.stub()
+    got: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, transcribe(stub, data))) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert got[0] and got[0] == got[1]
+
+
+def test_an_engine_that_dies_ends_only_its_own_sessions(served):
+    stub = served.stub()
+    held = [HeldStream(stub) for _ in range(4)]
+    try:
+        served.wait(lambda: engine_sessions(served) == (2, 2), 10, "two sessions on each engine")
+        os.kill(served.pids()["cs-engine-1"], signal.SIGKILL)
+        served.wait(lambda: len([s for s in held if s.error is not None]) == 2, 15, "two sessions ending")
+        assert {s.error.code() for s in held if s.error is not None} == {grpc.StatusCode.UNAVAILABLE}
+        assert served.health() == 1  # SERVING: engine 0 carries on
+        # A new session meanwhile goes to the engine that is up, and is served there.
+        during = HeldStream(stub)
+        held.append(during)
+        served.wait(lambda: engine_sessions(served)[0] == 3, 10, "the new session on engine 0")
+        # Engine 1 comes back; the survivors are still open; new sessions go to it again.
+        served.wait(lambda: all(e.serving for e in served.info().engines), 60, "engine 1 restarted")
+        alive = [s for s in held if s.error is None]
+        assert len(alive) == 3 and all(s.thread.is_alive() for s in alive)
+        held.append(HeldStream(stub))
+        served.wait(lambda: engine_sessions(served) == (3, 1), 10, "placement on the restarted engine")
+    finally:
+        for stream in held:
+            stream.close()
+    assert all(s.error is None for s in alive), [s.error for s in alive]
+
+
+def test_devices_and_engines_resolve_to_one_device_per_engine_process():
+    import torch
+
+    from cosystream.engine.process import resolve_devices
+
+    assert resolve_devices("cpu", 3) == ["cpu", "cpu", "cpu"]
+    assert resolve_devices("auto") == ["cuda:0" if torch.cuda.is_available() else "cpu"]
+    with pytest.raises(ValueError, match="--engines must be >= 1"):
+        resolve_devices("cpu", 0)
+    if not torch.cuda.is_available():
+        for name in ("cuda:all", "cuda:0,cuda:1", "0,1"):
+            with pytest.raises(ValueError, match="no CUDA device is available"):
+                resolve_devices(name)
+    else:
+        count = torch.cuda.device_count()
+        assert resolve_devices("cuda:all") == [f"cuda:{i}" for i in range(count)]
+        assert resolve_devices("0,0") == ["cuda:0", "cuda:0"]
+        with pytest.raises(ValueError, match="does not go with it"):
+            resolve_devices("cuda:all", 2)
+
+
+def test_serve_refuses_engines_it_cannot_start():
+    import subprocess
+    import sys
+
+    for args, message in [
+        (["--engines", "0"], "--engines must be >= 1"),
+        (["--naive", "--engines", "2"], "--naive runs no engine process"),
+        (["--adaptive", "default=nope"], "no model 'nope' is served"),
+        (["--model", "embedded:heavy"], "no such embedded model (there are embedded:default"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "cosystream", "serve", "--port", "0", *args], capture_output=True, text=True
+        )
+        assert done.returncode == 1 and message in done.stderr, (args, done.stderr)
