@@ -139,3 +139,74 @@ def test_serve_refuses_engines_it_cannot_start():
             [sys.executable, "-m", "cosystream", "serve", "--port", "0", *args], capture_output=True, text=True
         )
         assert done.returncode == 1 and message in done.stderr, (args, done.stderr)
+
+
+class Sink:
+    """A session's end of the engine channel, recording what the engine said."""
+
+    def __init__(self) -> None:
+        self.opened: list[int] = []
+        self.refused: list[str] = []
+        self.frames = 0
+
+    def on_opened(self, model: int) -> None:
+        self.opened.append(model)
+
+    def on_moved(self, model: int) -> None:
+        pass
+
+    def on_refused(self, message: str, shed: bool) -> None:
+        self.refused.append(message)
+
+    def on_results(self, ids, logprobs, queue_s: float, compute_s: float) -> None:
+        self.frames += len(ids)
+
+    def on_engine_lost(self) -> None:
+        self.refused.append("lost")
+
+
+def test_a_session_refused_by_a_full_engine_opens_on_another_with_its_first_frames(tmp_path):
+    """Two frontends place sessions at once, each before the other's shows in the engines' counts: both go
+    to engine 0, one of them (whichever the engine reads second) is refused there, full, and opens on engine
+    1, with the frames it had sent before the refusal sent again: every frame of both gets its result."""
+    import asyncio
+    import dataclasses
+
+    from cosystream.engine.core import EngineConfig
+    from cosystream.engine.process import EngineProcessConfig, start_engine
+    from cosystream.engine.scheduler import Priority
+    from cosystream.models import FRAME_SAMPLES
+    from cosystream.server.engine_pool import ID_STRIDE, EnginePool
+
+    base = EngineProcessConfig(address="", authkey=b"k" * 16, engine=EngineConfig(max_sessions=1), device="cpu")
+    configs = [dataclasses.replace(base, address=str(tmp_path / f"e{i}.sock"), index=i) for i in range(2)]
+    handles = [start_engine(config) for config in configs]
+    try:
+        for handle in handles:
+            assert handle.wait_ready(120)
+        frames = np.zeros((7, FRAME_SAMPLES), dtype=np.float32)
+
+        async def run() -> tuple[Sink, Sink]:
+            a, b = (EnginePool([c.address for c in configs], base.authkey) for _ in range(2))
+            await asyncio.gather(a.connect(), b.connect())
+            first, second = Sink(), Sink()
+            a.open(key_a := a.new_key(), Priority.REALTIME, first)
+            a.send_frames(key_a, frames)
+            b.open(key_b := b.new_key(), Priority.REALTIME, second)  # (b has not heard of a's session yet)
+            b.send_frames(key_b, frames)
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if first.frames == second.frames == len(frames):
+                    break
+            a.close_connection()
+            b.close_connection()
+            return first, second
+
+        first, second = asyncio.run(run())
+        assert first.refused == second.refused == []
+        assert sorted(first.opened + second.opened) == [0, ID_STRIDE]  # one on each engine
+        assert first.frames == second.frames == len(frames)
+    finally:
+        for handle in handles:
+            handle.process.terminate()
+            handle.process.join(10)

@@ -45,20 +45,28 @@ class EngineStatus:
 
 
 class _Routed:
-    """A session's sink as one engine sees it: model ids turned into the pool's."""
+    """A session's sink as one engine sees it: model ids turned into the pool's. It keeps what the open asked
+    for, so that a full engine's refusal can be retried on another."""
 
-    __slots__ = ("engine", "pool", "sink")
+    __slots__ = ("early", "engine", "key", "name", "pool", "priority", "sink", "tried")
 
-    def __init__(self, pool: EnginePool, engine: int, sink: SessionSink):
+    def __init__(self, pool: EnginePool, engine: int, sink: SessionSink, key: int, priority: Priority, name: str):
         self.pool, self.engine, self.sink = pool, engine, sink
+        self.key, self.priority, self.name = key, priority, name
+        self.tried = {engine}
+        # Frames sent before the engine said OPENED (a refusing engine drops them): sent again on a retry.
+        self.early: list[np.ndarray] | None = []
 
     def on_opened(self, model: int) -> None:
+        self.early = None
         self.sink.on_opened(self.engine * ID_STRIDE + model)
 
     def on_moved(self, model: int) -> None:
         self.sink.on_moved(self.engine * ID_STRIDE + model)
 
     def on_refused(self, message: str, shed: bool) -> None:
+        if not shed and self.pool._reopen(self):
+            return
         self.pool._forget(self)
         self.sink.on_refused(message, shed)
 
@@ -169,16 +177,33 @@ class EnginePool:
             )
             return
         index, own = choice
-        routed = _Routed(self, index, sink)
+        routed = _Routed(self, index, sink, key, priority, name)
         self._route[key] = routed
         self._placed[index] += 1
         self.clients[index].open(key, priority, routed, own)
 
-    def _least_loaded(self, name: str) -> tuple[int, int] | None:
+    def _reopen(self, routed: _Routed) -> bool:
+        """An engine refused ``routed``'s open (full, as its count had not shown yet): open it on another
+        engine not tried yet, if one is up and serves its model. False: none is left to try."""
+        choice = self._least_loaded(routed.name, exclude=routed.tried)
+        if choice is None or self._route.get(routed.key) is not routed:
+            return False
+        index, own = choice
+        routed.engine = index
+        routed.tried.add(index)
+        self._placed[index] += 1
+        client = self.clients[index]
+        client.open(routed.key, routed.priority, routed, own)
+        for frames in routed.early or ():
+            client.send_frames(routed.key, frames)
+        log.debug("session %d: engine full, opened on engine %d instead", routed.key, index)
+        return True
+
+    def _least_loaded(self, name: str, exclude: set[int] = frozenset()) -> tuple[int, int] | None:
         """The engine a new session of model ``name`` goes to, and that engine's id of the model."""
         best = None
         for index, client in enumerate(self.clients):
-            if not client.connected or client.info is None:
+            if index in exclude or not client.connected or client.info is None:
                 continue
             position = client.info.model_index(name)
             if position is None:
@@ -191,6 +216,8 @@ class EnginePool:
     def send_frames(self, key: int, frames: np.ndarray) -> None:
         routed = self._route.get(key)
         if routed is not None:
+            if routed.early is not None:
+                routed.early.append(frames)
             self.clients[routed.engine].send_frames(key, frames)
 
     def reset(self, key: int) -> None:
@@ -233,10 +260,8 @@ class EnginePool:
     # --- the engines' news ---------------------------------------------------------------------------
 
     def _forget(self, routed: _Routed) -> None:
-        for key, found in list(self._route.items()):
-            if found is routed:
-                del self._route[key]
-                return
+        if self._route.get(routed.key) is routed:
+            del self._route[routed.key]
 
     def _client_changed(self, index: int) -> None:
         client = self.clients[index]
