@@ -10,6 +10,7 @@ largest passing count is the capacity. Prints JSON and a table.
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders greedy beam   # decoding's cost
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --decoders beam:16 beam:64  # beam widths
     python benchmarks/capacity.py --modes engine --chunk-ms 10 --models DIR_A DIR_B     # two models
+    python benchmarks/capacity.py --modes engine --chunk-ms 10 --engines 1 2            # engine processes
     python -m benchmarks.capacity --modes engine --device cuda --frontends 8 --probe-processes 6 \
         --wav speech.wav --counts 200 400 800                  # a GPU box (benchmarks/gpu_check.sh)
 """
@@ -37,8 +38,9 @@ def measure(
     device: str = "auto",
     wavs: list[str] | None = None,
     probe_processes: int = 1,
+    engines: int = 1,
 ) -> dict:
-    extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends)]
+    extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends), "--engines", str(engines)]
     extra += ["--model", model] if model else []
     kind, _, beam_size = decoder.partition(":")
     extra += ["--beam-size", beam_size] if beam_size else []
@@ -92,6 +94,7 @@ def measure(
     passing = [r["streams"] for r in runs if r["passed"]]
     return {
         "mode": mode,
+        "engines": engines if mode == "engine" else 0,
         "model": model or "default",
         "decoder": decoder,
         "chunk_ms": chunk_ms,
@@ -151,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", nargs="+", default=[None], help="serve --model directories, measured one after the other"
     )
+    parser.add_argument(
+        "--engines", type=int, nargs="+", default=[1], help="serve --engines counts, measured one after the other"
+    )
     args = parser.parse_args(argv)
     counts = lambda mode: args.counts or DEFAULT_COUNTS[mode]  # noqa: E731
     results = [
@@ -165,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             args.wav,
             args.probe_processes,
+            engines,
         )
         for chunk_ms in args.chunk_ms
         for decoder in args.decoders
         for model in args.models
         for mode in args.modes
+        for engines in (args.engines if mode == "engine" else [1])
     ]
     summary = {"p99_limit_ms": P99_LIMIT_MS, "results": results}
     for chunk_ms in args.chunk_ms:
@@ -186,20 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot)
     print(
-        f"\n{'model':>10} {'mode':>6} {'decoder':>7} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8}"
+        f"\n{'model':>10} {'mode':>6} {'eng':>3} {'decoder':>7} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8}"
         f" {'misses':>7} {'cpu ms/s':>9}  pass"
     )
     for result in results:
         for run in result["runs"]:
             print(
-                f"{result['model'][-10:]:>10} {result['mode']:>6} {result['decoder']:>7} {result['chunk_ms']:>4}ms"
+                f"{result['model'][-10:]:>10} {result['mode']:>6} {result['engines']:>3} {result['decoder']:>7}"
+                f" {result['chunk_ms']:>4}ms"
                 f" {run['streams']:>8} {run['p50_ms']:>8.1f}"
                 f" {run['p99_ms']:>8.1f} {run['deadline_misses']:>7} {run['server_cpu_ms_per_audio_s']:>9.1f}"
                 f"  {'yes' if run['passed'] else 'no'}"
             )
     for result in results:
+        engines = f", {result['engines']} engines" if result["engines"] > 1 else ""
         print(
-            f"capacity {result['mode']} ({result['model']}, {result['decoder']} decoding) at {result['chunk_ms']} ms chunks:"
+            f"capacity {result['mode']} ({result['model']}, {result['decoder']} decoding{engines})"
+            f" at {result['chunk_ms']} ms chunks:"
             f" {result['capacity']} streams"
         )
     for key, value in summary.items():
