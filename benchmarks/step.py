@@ -7,6 +7,7 @@ matmul peak; on CUDA, graph replay against eager.
     python benchmarks/step.py                       # CPU, one thread
     python benchmarks/step.py --device cuda --max-batch 4096
     python benchmarks/step.py --dtype float32 bfloat16 int8   # precisions side by side (batch 1 and 64, T=1)
+    python benchmarks/step.py --dtype float32 --model cosystream/models/default cosystream/models/light
 """
 
 from __future__ import annotations
@@ -123,14 +124,15 @@ def bench_tf32(model, max_batch: int, device: torch.device, iterations: int) -> 
 
 
 def bench_precisions(
-    path: str | None, precisions: list[str], batches: list[int], device: torch.device, iterations: int
+    paths: list[str | None], precisions: list[str], batches: list[int], device: torch.device, iterations: int
 ) -> list[dict]:
-    """Per precision, the one-frame step at each batch (graphs on CUDA, as served), and how far its
-    log-probabilities move from the first precision's on the same (noise) input: the largest and the mean
-    difference; the accuracy that costs is measured on speech by ``cosystream eval --precision``."""
+    """Per model and precision, the one-frame step at each batch (graphs on CUDA, as served), and how far
+    its log-probabilities move from the model's first precision's on the same (noise) input: the largest and
+    the mean difference; the accuracy that costs is measured on speech by ``cosystream eval --precision``.
+    ``speedup`` is against the first model at the first precision, at the same batch."""
     rows, reference = [], {}
     mode = GraphMode.GRAPHS if device.type == "cuda" else GraphMode.EAGER
-    for precision in precisions:
+    for path, precision in ((path, precision) for path in paths for precision in precisions):
         model = load_model(path, device=device, precision=precision)
         for batch in batches:
             runner = build_runner(model, batch, mode, device, direct=True)
@@ -142,11 +144,12 @@ def bench_precisions(
                     for pcm in steps
                 ]
             ).cpu()
-            reference.setdefault(batch, logprobs)
+            reference.setdefault((path, batch), logprobs)
             timing = bench_runner(runner, [batch], [1], iterations)[0]
-            diff = (logprobs - reference[batch]).abs()
+            diff = (logprobs - reference[(path, batch)]).abs()
             rows.append(
                 {
+                    "model": path or "embedded",
                     "precision": precision,
                     "batch": batch,
                     "p50_ms": timing["p50_ms"],
@@ -166,13 +169,13 @@ def bench_precisions(
 def print_precisions(rows: list[dict], device: str, threads: int) -> None:
     sys.stdout.write(f"\nprecisions, one frame per step ({device}, {threads} thread(s)):\n")
     sys.stdout.write(
-        f"{'precision':<10} {'batch':>6} {'p50 ms':>9} {'p99 ms':>9} {'us/sess-frame':>14} {'vs f32':>7}"
-        f" {'max dlogp':>10} {'mean dlogp':>11}\n"
+        f"{'model':<24} {'precision':<10} {'batch':>6} {'p50 ms':>9} {'p99 ms':>9} {'us/sess-frame':>14}"
+        f" {'vs first':>8} {'max dlogp':>10} {'mean dlogp':>11}\n"
     )
     for r in rows:
         sys.stdout.write(
-            f"{r['precision']:<10} {r['batch']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f}"
-            f" {r['us_per_session_frame']:>14.1f} {r['speedup']:>6.2f}x {r['max_logprob_diff']:>10.3f}"
+            f"{r['model'][-24:]:<24} {r['precision']:<10} {r['batch']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f}"
+            f" {r['us_per_session_frame']:>14.1f} {r['speedup']:>7.2f}x {r['max_logprob_diff']:>10.3f}"
             f" {r['mean_logprob_diff']:>11.4f}\n"
         )
 
@@ -184,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=1024)
     parser.add_argument("--frames", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--iterations", type=int, default=50)
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=[None],
+        help="model directory (default: the embedded model); with --dtype, several are compared side by side",
+    )
     parser.add_argument("--json", default=None, help="also write the JSON here")
     parser.add_argument(
         "--dtype",
@@ -210,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(result, f, indent=2)
         print_precisions(rows, name, args.threads)
         return 0
-    model = load_model(args.model, device=device)
+    if len(args.model) > 1:
+        parser.error("several --model directories are compared with --dtype")
+    model = load_model(args.model[0], device=device)
     batches = [b for b in batch_buckets(args.max_batch)]
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
