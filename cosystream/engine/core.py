@@ -172,15 +172,14 @@ class EngineCore:
         self.model_changes = 0  # counts installs, unloads and frees: frontends are told when it moves
         self.admin_ops: list[tuple[int, tuple]] = []  # (frontend, LOAD, UNLOAD or PREPARED op): the process's
         self._asked = [""] * config.max_sessions  # per slot: the model name the session asked for
-        self.adaptive: AdaptivePolicy | None = None
-        self._fallbacks: dict[str, str] = {}
-        if adaptive is not None and adaptive.pairs:
-            for heavy, light in adaptive.pairs:
-                for name in (heavy, light):
-                    if name not in self.served:
-                        raise ValueError(f"--adaptive {heavy}={light}: no model {name!r} is served")
-            self.adaptive = AdaptivePolicy(adaptive, clock)
-            self._fallbacks = adaptive.fallbacks
+        # The projected load (``cosystream_engine_load``) is measured whether or not any model falls back.
+        adaptive = adaptive or AdaptiveConfig()
+        for heavy, light in adaptive.pairs:
+            for name in (heavy, light):
+                if name not in self.served:
+                    raise ValueError(f"--adaptive {heavy}={light}: no model {name!r} is served")
+        self.adaptive = AdaptivePolicy(adaptive, clock)
+        self._fallbacks = adaptive.fallbacks  # HEAVY name -> LIGHT name; empty: none falls back
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
@@ -227,7 +226,7 @@ class EngineCore:
         """The model index the next utterance of a session that asked for ``asked`` runs on: its current
         version, or its LIGHT model's while the adaptive policy says so (None: ``asked`` is not served)."""
         index = self.served.get(asked)
-        if index is not None and self.adaptive is not None and self.adaptive.light:
+        if index is not None and self._fallbacks and self.adaptive.light:
             light = self.served.get(self._fallbacks.get(asked, ""))
             if light is not None:
                 return light
@@ -352,8 +351,6 @@ class EngineCore:
         """The loop was busy ``busy_s`` since the last call (everything but waiting for input): fed to the
         adaptive policy as realtime load, BATCH steps taken out and LIGHT rows counted at HEAVY's cost. On a
         switch, sessions between utterances move at once, the others at their next utterance."""
-        if self.adaptive is None:
-            return None
         policy = self.adaptive
         windows = policy.windows
         policy.add(busy_s - self._batch_s + self._projection_s)
@@ -361,7 +358,7 @@ class EngineCore:
         switch = policy.update()
         if self.metrics is not None and policy.windows != windows:
             self.metrics.set_load(policy.load)
-        if switch is None:
+        if switch is None or not self._fallbacks:
             return None
         moved = self.move_idle()
         log.info(
@@ -447,11 +444,10 @@ class EngineCore:
         result = runner.run(plan.slots, pcm)
         compute_s = time.perf_counter() - started
         self.update_from_output(plan, result, compute_s)
-        if self.adaptive is not None:
-            if plan.priority is Priority.BATCH:
-                self._batch_s += compute_s
-            else:
-                self._project(plan, compute_s)
+        if plan.priority is Priority.BATCH:
+            self._batch_s += compute_s
+        elif self._fallbacks:
+            self._project(plan, compute_s)
         return plan
 
     def update_from_output(self, plan: StepPlan, result: StepResult, compute_s: float) -> None:
