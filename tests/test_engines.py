@@ -133,7 +133,7 @@ def test_serve_refuses_engines_it_cannot_start():
         (["--engines", "0"], "--engines must be >= 1"),
         (["--naive", "--engines", "2"], "--naive runs no engine process"),
         (["--adaptive", "default=nope"], "no model 'nope' is served"),
-        (["--model", "embedded:heavy"], "no such embedded model (there are embedded:default"),
+        (["--model", "embedded:heavy"], "no such embedded model (there are embedded:default, embedded:light)"),
     ]:
         done = subprocess.run(
             [sys.executable, "-m", "cosystream", "serve", "--port", "0", *args], capture_output=True, text=True
@@ -210,3 +210,20 @@ def test_a_session_refused_by_a_full_engine_opens_on_another_with_its_first_fram
         for handle in handles:
             handle.process.terminate()
             handle.process.join(10)
+
+
+def test_admin_status_lists_the_models_and_each_engine(served):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cosystream", "admin", "status", "--server", served.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith("0 of 8 sessions open, 1 frontend(s), 1 model version(s) in memory"), lines
+    assert lines[1].startswith("model cosystream-en-conv-ctc (default): version ") and "float32" in lines[1]
+    assert lines[2:] == ["engine 0 (cpu): serving, 0 of 4 sessions", "engine 1 (cpu): serving, 0 of 4 sessions"]

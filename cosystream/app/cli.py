@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     unload = calls.add_parser("unload", help="stop serving the model NAME (live sessions finish on it)")
     unload.add_argument("name", metavar="NAME")
-    for call in (load, unload):
+    status = calls.add_parser("status", help="the models served, the engines, the sessions open")
+    for call in (load, unload, status):
         call.add_argument(
             "--server", default="localhost", help="host:port of the server (default: localhost:50051)"
         )
@@ -483,9 +484,12 @@ def admin_command(args: argparse.Namespace) -> int:
                 f"{reply.install_seconds * 1e3:.2f} ms (the call took {time.monotonic() - started:.1f} s, the "
                 "decoders made ready included)"
             )
-        else:
+        elif args.call == "unload":
             stub.UnloadModel(pb.UnloadModelRequest(name=args.name), timeout=args.timeout)
             print(f"{args.name} unloaded: new sessions asking for it are refused; live ones finish on it")
+        else:
+            info = pb_grpc.CosyStreamStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout)
+            print(status_text(info))
     except grpc.RpcError as err:
         print(
             f"cosystream admin {args.call}: {describe_error(err.code(), err.details(), connection)}",
@@ -495,6 +499,27 @@ def admin_command(args: argparse.Namespace) -> int:
     finally:
         channel.close()
     return 0
+
+
+def status_text(info) -> str:
+    """``admin status``: a ``ServerInfo`` as an operator reads it, a line per model and per engine."""
+    lines = [
+        f"cosystream {info.version}: {info.active_sessions} of {info.max_sessions} sessions open, "
+        f"{info.frontends} frontend(s), {info.loaded_model_versions} model version(s) in memory"
+    ]
+    for model in info.models:
+        lines.append(
+            f"model {model.name}{' (default)' if model.is_default else ''}: version {model.version}, "
+            f"{model.precision}, {model.vocabulary_kind}, {model.parameters / 1e6:.2f} M parameters"
+        )
+    for engine in info.engines:
+        lines.append(
+            f"engine {engine.index} ({engine.device}): {'serving' if engine.serving else 'restarting'}, "
+            f"{engine.active_sessions} of {engine.max_sessions} sessions"
+        )
+    if not info.engines:
+        lines.append(f"engine ({info.device}): serving")
+    return "\n".join(lines)
 
 
 def security_config(args: argparse.Namespace):
