@@ -156,7 +156,8 @@ def start_engine(config: EngineProcessConfig) -> EngineHandle:
     """Spawn the engine process; frontends then connect to ``config.address`` (once it says ``ready``)."""
     context = mp.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    process = context.Process(target=engine_main, args=(config, writer), name="cosystream-engine")
+    name = "cosystream-engine" if config.index is None else f"cosystream-engine-{config.index}"  # (log lines)
+    process = context.Process(target=engine_main, args=(config, writer), name=name)
     process.start()
     writer.close()
     return EngineHandle(process, reader)
