@@ -227,3 +227,21 @@ def test_admin_status_lists_the_models_and_each_engine(served):
     assert lines[0].endswith("0 of 8 sessions open, 1 frontend(s), 1 model version(s) in memory"), lines
     assert lines[1].startswith("model cosystream-en-conv-ctc (default): version ") and "float32" in lines[1]
     assert lines[2:] == ["engine 0 (cpu): serving, 0 of 4 sessions", "engine 1 (cpu): serving, 0 of 4 sessions"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_two_engines_on_one_gpu_each_capture_their_graphs_and_serve():
+    """``--device cuda:0,cuda:0``: two engine processes on one GPU (as ``cuda:all`` on a host of two), each
+    with its own graphs; sessions on both are served."""
+    import torch
+
+    with Served("--frontends", "1", "--device", "cuda:0,cuda:0", "--max-sessions", "8") as served:
+        assert [e.device for e in served.info().engines] == [torch.cuda.get_device_name(0)] * 2
+        held = [HeldStream(served.stub()) for _ in range(4)]
+        try:
+            served.wait(lambda: engine_sessions(served) == (2, 2), 20, "two sessions on each engine")
+        finally:
+            for stream in held:
+                stream.close()
+        assert all(stream.error is None for stream in held), [stream.error for stream in held]
