@@ -127,8 +127,11 @@ class EngineMetrics:
         for model, count in counts.items():
             self._m["MODEL_SESSIONS"].labels(model).set(count)
 
-    def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
+    def set_fallback(self, heavy: str, light: bool) -> None:
         self._m["ADAPTIVE_FALLBACK"].labels(heavy).set(1 if light else 0)
+
+    def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
+        self.set_fallback(heavy, light)
         self._m["ADAPTIVE_SWITCHES"].labels(heavy, "light" if light else "heavy").inc()
         self._m["ENGINE_LOAD"].labels(self.engine).set(load)
 

@@ -15,6 +15,8 @@ from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.engine.scheduler import Priority
 from cosystream.models import FRAME_SAMPLES
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
+from tests.servers import Served
+from tests.speech import encode, needs_espeak, silence, speech
 
 
 class FakeClock:
@@ -177,3 +179,79 @@ def test_adaptive_names_must_be_served():
         EngineCore(
             [tiny(3, 0)], config, torch.device("cpu"), None, ["heavy"], AdaptiveConfig((("heavy", "light"),))
         )
+
+
+# --- a real server ------------------------------------------------------------------------------------
+
+SENTENCE = "the weather is nice today and we will walk to the park"
+
+
+def paced_stream(stub, data: bytes, delay_s: float = 0.0, chunk_s: float = 0.02) -> list:
+    """``data`` (LINEAR16, 16 kHz) sent as a live microphone would, ``chunk_s`` a chunk, from ``delay_s`` on;
+    every result."""
+    import time
+
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    step = int(16000 * chunk_s) * 2
+    time.sleep(delay_s)
+
+    def requests():
+        yield pb.StreamingRecognizeRequest(
+            config=pb.StreamingConfig(
+                encoding=pb.LINEAR16, sample_rate_hz=16000, model="heavy", interim_results=True
+            )
+        )
+        start = time.monotonic()
+        for i, offset in enumerate(range(0, len(data), step)):
+            time.sleep(max(0.0, start + i * chunk_s - time.monotonic()))
+            yield pb.StreamingRecognizeRequest(audio=data[offset : offset + step])
+
+    return [result for response in stub.StreamingRecognize(requests(), timeout=60) for result in response.results]
+
+
+def utterances(results: list) -> list[set[str]]:
+    """Per utterance (its interims and its final), the models its results name."""
+    models, current = [], set()
+    for result in results:
+        current.add(result.model)
+        if result.is_final:
+            models.append(current)
+            current = set()
+    return models
+
+
+@needs_espeak
+def test_a_loaded_server_runs_new_utterances_on_light_and_returns_to_heavy():
+    """With marks set low enough that four live streams pass the high one, later utterances of sessions that
+    asked for HEAVY are decoded by LIGHT (their results say so), the metrics show it, and once the streams
+    are gone (and the hold is over) a new session runs on HEAVY again."""
+    import threading
+
+    utterance = np.concatenate([speech(SENTENCE), silence(1.2)])
+    data = encode(np.concatenate([silence(0.3), utterance, utterance, utterance]), "LINEAR16")
+    args = ["--frontends", "1", "--model", "heavy=embedded:default", "--model", "light=embedded:light"]
+    args += ["--adaptive", "heavy=light", "--adaptive-high", "0.04", "--adaptive-low", "0.02"]
+    with Served(*args) as served:
+        info = served.info()
+        assert [m.name for m in info.models] == ["heavy", "light"]
+        stub = served.stub()
+        got: dict[int, list] = {}
+        threads = [  # (staggered: while one pauses between utterances the others speak)
+            threading.Thread(target=lambda i=i: got.__setitem__(i, paced_stream(stub, data, 0.8 * i)))
+            for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        served.wait(lambda: served.metric("cosystream_adaptive_fallback", model="heavy") == 1, 30, "a fallback")
+        for thread in threads:
+            thread.join(60)
+        assert served.metric("cosystream_adaptive_switches_total", model="heavy", to="light") >= 1
+        per_utterance = [models for i in range(4) for models in utterances(got[i])]
+        assert len(per_utterance) == 12 and all(len(models) == 1 for models in per_utterance), per_utterance
+        assert {"light"} in per_utterance and utterances(got[0])[0] == {"heavy"}, per_utterance
+        # Idle now: after the hold, back to HEAVY.
+        served.wait(lambda: served.metric("cosystream_adaptive_fallback", model="heavy") == 0, 30, "the return")
+        again = paced_stream(stub, encode(np.concatenate([silence(0.3), utterance]), "LINEAR16"))
+        assert {r.model for r in again} == {"heavy"}
+        assert served.metric("cosystream_adaptive_switches_total", model="heavy", to="heavy") >= 1

@@ -92,6 +92,10 @@ class StepObserver(Protocol):
         """Sessions per served model name (the version they run aside)."""
         ...
 
+    def set_fallback(self, heavy: str, light: bool) -> None:
+        """Whether ``heavy``'s new utterances run on its LIGHT model."""
+        ...
+
     def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
         """``heavy``'s new utterances now run on its LIGHT model (``light``) or on itself; ``load`` caused it."""
         ...
@@ -180,6 +184,8 @@ class EngineCore:
                     raise ValueError(f"--adaptive {heavy}={light}: no model {name!r} is served")
         self.adaptive = AdaptivePolicy(adaptive, clock)
         self._fallbacks = adaptive.fallbacks  # HEAVY name -> LIGHT name; empty: none falls back
+        for heavy in self._fallbacks if metrics is not None else ():
+            metrics.set_fallback(heavy, False)  # (the series exists from start-up)
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
