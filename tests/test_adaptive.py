@@ -165,11 +165,10 @@ def test_batch_steps_are_not_realtime_load():
     send(core, [(ipc.OPEN, 1, int(Priority.BATCH), HEAVY)])
     for _ in range(20):
         clock.now += 0.05
-        started = clock.now
         send(core, [], {1: FRAMES})
         spent = core._batch_s
         assert spent > 0
-        assert core.observe_load(spent + 0.1 * 0.05) is None, started
+        assert core.observe_load(spent + 0.1 * 0.05) is None
     assert not core.adaptive.light and core.adaptive.load < 0.2
 
 

@@ -232,30 +232,27 @@ class EnginePool:
 
     async def load_model(self, name: str, path: str, precision: str = "") -> LoadResult:
         """Load on every engine up (at once); the first failure is the answer, naming its engine."""
-        up = [(i, c) for i, c in enumerate(self.clients) if c.connected]
-        if not up:
-            raise ModelLoadError(ipc.BUSY, "no engine is up; retry in a moment")
-        outcomes = await asyncio.gather(
-            *(c.load_model(name, path, precision) for _, c in up), return_exceptions=True
-        )
-        for (index, _), outcome in zip(up, outcomes, strict=True):
-            if isinstance(outcome, ModelLoadError):
-                raise ModelLoadError(outcome.failure, f"engine {index}: {outcome}")
-            if isinstance(outcome, BaseException):
-                raise outcome
-        first, result = up[0][0], outcomes[0]
+        (first, result), *_ = await self._on_every_engine(lambda c: c.load_model(name, path, precision))
         return dataclasses.replace(
             result, model=dataclasses.replace(result.model, id=first * ID_STRIDE + result.model.id)
         )
 
     async def unload_model(self, name: str) -> None:
+        await self._on_every_engine(lambda c: c.unload_model(name))
+
+    async def _on_every_engine(self, call: Callable[[EngineClient], Awaitable]) -> list[tuple[int, object]]:
+        """``call`` on every engine up, at once: ``(engine, answer)`` for each, or the first failure, as a
+        ModelLoadError naming its engine."""
         up = [(i, c) for i, c in enumerate(self.clients) if c.connected]
-        outcomes = await asyncio.gather(*(c.unload_model(name) for _, c in up), return_exceptions=True)
+        if not up:
+            raise ModelLoadError(ipc.BUSY, "no engine is up; retry in a moment")
+        outcomes = await asyncio.gather(*(call(c) for _, c in up), return_exceptions=True)
         for (index, _), outcome in zip(up, outcomes, strict=True):
             if isinstance(outcome, ModelLoadError):
                 raise ModelLoadError(outcome.failure, f"engine {index}: {outcome}")
             if isinstance(outcome, BaseException):
                 raise outcome
+        return [(index, outcome) for (index, _), outcome in zip(up, outcomes, strict=True)]
 
     # --- the engines' news ---------------------------------------------------------------------------
 
