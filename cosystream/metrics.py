@@ -130,10 +130,9 @@ class EngineMetrics:
     def set_fallback(self, heavy: str, light: bool) -> None:
         self._m["ADAPTIVE_FALLBACK"].labels(heavy).set(1 if light else 0)
 
-    def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
+    def observe_adaptive(self, heavy: str, light: bool) -> None:
         self.set_fallback(heavy, light)
         self._m["ADAPTIVE_SWITCHES"].labels(heavy, "light" if light else "heavy").inc()
-        self._m["ENGINE_LOAD"].labels(self.engine).set(load)
 
     def set_load(self, load: float) -> None:
         self._m["ENGINE_LOAD"].labels(self.engine).set(load)

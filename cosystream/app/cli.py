@@ -17,6 +17,7 @@ import tempfile
 import time
 
 from cosystream import __version__
+from cosystream.engine.adaptive import ADAPTIVE_HIGH, ADAPTIVE_LOW
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
 from cosystream.logs import LEVELS as LOG_LEVELS
 from cosystream.logs import configure as configure_logs
@@ -100,6 +101,7 @@ def parse_adaptive_arg(value: str) -> tuple[str, str]:
 def adaptive_config(args: argparse.Namespace):
     """``--adaptive`` and its marks, checked against the served models (ValueError, one line); None without."""
     from cosystream.engine.adaptive import AdaptiveConfig
+    from cosystream.models.loading import RESERVED_NAMES
 
     if not args.adaptive:
         if args.adaptive_high is not None or args.adaptive_low is not None:
@@ -107,7 +109,7 @@ def adaptive_config(args: argparse.Namespace):
         return None
     names = {source.name for source in args.models}
     default = args.models[0].name
-    pairs = [tuple(default if n in ("", "default") else n for n in pair) for pair in args.adaptive]
+    pairs = [tuple(default if n in RESERVED_NAMES else n for n in pair) for pair in args.adaptive]
     for heavy, light in pairs:
         for name in (heavy, light):
             if name not in names:
@@ -288,13 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive-high",
         type=float,
         default=None,
-        help="the engine's projected load (busy share) at which --adaptive falls back to LIGHT (default: 0.85)",
+        help=f"the engine's projected load (busy share) at which --adaptive falls back to LIGHT (default: "
+        f"{ADAPTIVE_HIGH})",
     )
     serve.add_argument(
         "--adaptive-low",
         type=float,
         default=None,
-        help="the projected load at or below which --adaptive returns to HEAVY (default: 0.55)",
+        help=f"the projected load at or below which --adaptive returns to HEAVY (default: {ADAPTIVE_LOW})",
     )
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")

@@ -96,8 +96,8 @@ class StepObserver(Protocol):
         """Whether ``heavy``'s new utterances run on its LIGHT model."""
         ...
 
-    def observe_adaptive(self, heavy: str, light: bool, load: float) -> None:
-        """``heavy``'s new utterances now run on its LIGHT model (``light``) or on itself; ``load`` caused it."""
+    def observe_adaptive(self, heavy: str, light: bool) -> None:
+        """``heavy``'s new utterances now run on its LIGHT model (``light``) or on itself (a switch)."""
         ...
 
     def set_load(self, load: float) -> None:
@@ -376,7 +376,7 @@ class EngineCore:
         )
         if self.metrics is not None:
             for heavy in self._fallbacks:
-                self.metrics.observe_adaptive(heavy, switch.light, switch.load)
+                self.metrics.observe_adaptive(heavy, switch.light)  # (set_load above has the load that did it)
         return switch
 
     def _project(self, plan: StepPlan, compute_s: float) -> None:
