@@ -1,7 +1,8 @@
-"""Shared test fixtures: speech-like audio and small model instances."""
+"""Shared test fixtures: speech-like audio, small model instances, and a stub on a module's server."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -26,3 +27,13 @@ def speech_like(seconds: float, seed: int, rate_hz: int = 16000) -> np.ndarray:
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return load_model()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """A CosyStream stub on the module's ``server`` fixture (a ``local_server``), closed after the module."""
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(server.address)
+    yield pb_grpc.CosyStreamStub(channel)
+    channel.close()

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cosystream.v1 import cosystream_pb2 as pb
-from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.conftest import speech_like
 from tests.servers import local_server
 
@@ -33,13 +32,6 @@ SPEECH = (np.clip(speech_like(3.0, seed=5), -1, 1 - 1 / 32768) * 32768).astype("
 def server():
     with local_server(max_sessions=3, max_message_bytes=1 << 20, idle_timeout_s=2.0) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    channel = grpc.insecure_channel(server.address)
-    yield pb_grpc.CosyStreamStub(channel)
-    channel.close()
 
 
 valid_config = st.builds(

@@ -28,7 +28,6 @@ from cosystream.models.loading import DEFAULT_MODEL_DIR, model_name
 from cosystream.server.http.common import native_model
 from cosystream.server.http.errors import ApiError
 from cosystream.v1 import cosystream_pb2 as pb
-from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import HeldStream, Served, local_server, serve_argv
 from tests.speech import encode, needs_espeak, silence, speech
 
@@ -164,13 +163,6 @@ def test_versions_hash_the_files(letters_dir, tmp_path):
 def server(letters_dir):
     with local_server(max_sessions=6, models=[None, letters_dir]) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    channel = grpc.insecure_channel(server.address)
-    yield pb_grpc.CosyStreamStub(channel)
-    channel.close()
 
 
 def stream(stub, model: str, data: bytes) -> list[pb.StreamingRecognizeResponse]:

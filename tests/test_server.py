@@ -41,13 +41,6 @@ def server():
         yield srv
 
 
-@pytest.fixture(scope="module")
-def stub(server):
-    channel = grpc.insecure_channel(server.address)
-    yield pb_grpc.CosyStreamStub(channel)
-    channel.close()
-
-
 def config(rate_hz=16000, encoding=pb.LINEAR16, **kwargs) -> pb.StreamingRecognizeRequest:
     return pb.StreamingRecognizeRequest(
         config=pb.StreamingConfig(encoding=encoding, sample_rate_hz=rate_hz, **kwargs)
