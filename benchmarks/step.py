@@ -2,9 +2,11 @@
 
 Prints a JSON document and a table: p50/p99 step latency for batch 1..N and T in {1, 4, 16}; the batched
 step against a per-session loop at 64 sessions; FLOPs per frame and the achieved rate against a measured
-matmul peak; on CUDA, graph replay against eager.
+matmul peak; on the CPU, the compiled step against eager (interleaved, shape by shape) and what compiling
+cost at start-up; on CUDA, graph replay against eager.
 
     python benchmarks/step.py                       # CPU, one thread
+    python benchmarks/step.py --no-compile          # eager only
     python benchmarks/step.py --device cuda --max-batch 4096
     python benchmarks/step.py --dtype float32 bfloat16 int8   # precisions side by side (batch 1 and 64, T=1)
     python benchmarks/step.py --dtype float32 --model cosystream/models/default cosystream/models/light
@@ -16,6 +18,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -61,38 +64,90 @@ def matmul_peak_gflops(device: torch.device) -> float:
 
 
 def build_runner(
-    model, max_batch: int, mode: GraphMode, device: torch.device, direct: bool, top_k: int = 1
+    model, max_batch: int, mode: GraphMode, device: torch.device, direct: bool, top_k: int = 1, **config
 ) -> Runner:
     slab = StateSlab(model.cache_specs(), max_batch, device=device)
     for _ in range(max_batch):
         slab.alloc()
     return Runner(
-        model, slab, RunnerConfig(max_batch=max_batch, graph_mode=mode, direct_state=direct, top_k=top_k)
+        model,
+        slab,
+        RunnerConfig(max_batch=max_batch, graph_mode=mode, direct_state=direct, top_k=top_k, **config),
     )
 
 
 def bench_runner(runner: Runner, batches: list[int], frame_counts: list[int], iterations: int) -> list[dict]:
-    rows = []
-    device = runner.device
+    return bench_interleaved([runner], batches, frame_counts, iterations)[0]
+
+
+def bench_interleaved(
+    runners: list[Runner], batches: list[int], frame_counts: list[int], iterations: int, rounds: int = 1
+) -> list[list[dict]]:
+    """Per shape, each runner's step timed in turn (``rounds`` times, ``iterations`` calls split between
+    them): alternatives see the same machine load, which on a shared box drifts more than they differ."""
+    rows: list[list[dict]] = [[] for _ in runners]
+    device = runners[0].device
     for frames in frame_counts:
         for batch in batches:
             pcm = (np.random.default_rng(0).standard_normal((batch, frames * FRAME_SAMPLES)) * 0.1).astype(
                 np.float32
             )
             slots = list(range(batch))
-            samples = time_calls(lambda s=slots, p=pcm: runner.run(s, p), iterations, 5, device)
-            p50 = percentile(samples, 50)
-            rows.append(
-                {
-                    "batch": batch,
-                    "frames": frames,
-                    "p50_ms": p50 * 1e3,
-                    "p99_ms": percentile(samples, 99),
-                    "us_per_session_frame": p50 / (batch * frames) * 1e6,
-                }
-            )
-            rows[-1]["p99_ms"] *= 1e3
+            samples: list[list[float]] = [[] for _ in runners]
+            for _ in range(rounds):
+                for runner, into in zip(runners, samples, strict=True):
+                    calls = max(1, iterations // rounds)
+                    into += time_calls(lambda r=runner, s=slots, p=pcm: r.run(s, p), calls, 5, device)
+            for into, out in zip(samples, rows, strict=True):
+                p50 = percentile(into, 50)
+                out.append(
+                    {
+                        "batch": batch,
+                        "frames": frames,
+                        "p50_ms": p50 * 1e3,
+                        "p99_ms": percentile(into, 99) * 1e3,
+                        "us_per_session_frame": p50 / (batch * frames) * 1e6,
+                    }
+                )
     return rows
+
+
+def rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 1e6
+    except OSError:
+        return None
+
+
+def build_compiled(model, args: argparse.Namespace) -> tuple[Runner, dict]:
+    """The compiled CPU runner, and what it cost to start: seconds, keys compiled or loaded, memory."""
+    before = rss_mb()
+    started = time.perf_counter()
+    runner = build_runner(
+        model,
+        args.max_batch,
+        GraphMode.EAGER,
+        torch.device("cpu"),
+        direct=True,
+        compile=True,
+        frame_buckets=tuple(sorted(set(args.frames))),
+        compile_cache_dir=args.compile_cache_dir,
+        compile_budget_s=args.compile_budget_s,
+    )
+    seconds = time.perf_counter() - started
+    steps = runner._compiled
+    after = rss_mb()
+    startup = {
+        "seconds": seconds,
+        "keys": len(runner.compiled_keys),
+        "compiled": steps.compiled if steps else 0,
+        "loaded": steps.loaded if steps else 0,
+        "left_eager": steps.skipped if steps else 0,
+        "rss_mb": None if before is None or after is None else after - before,
+        "cache_dir": str(steps.cache_dir) if steps else None,
+    }
+    return runner, startup
 
 
 def bench_tf32(model, max_batch: int, device: torch.device, iterations: int) -> list[dict]:
@@ -202,6 +257,15 @@ def main(argv: list[str] | None = None) -> int:
         help="compare these precisions instead (the first is the reference; float32 first is the useful order)",
     )
     parser.add_argument("--dtype-batches", type=int, nargs="+", default=[1, 64], help="batches for --dtype")
+    parser.add_argument("--no-compile", action="store_true", help="CPU: skip the compiled step")
+    parser.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="compiled packages (default: the engine's cache; 'none': a fresh temporary one, to time compiling)",
+    )
+    parser.add_argument(
+        "--compile-budget-s", type=float, default=None, help="seconds to spend compiling (default: no limit)"
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -229,9 +293,23 @@ def main(argv: list[str] | None = None) -> int:
         "flops_per_frame": model.flops_per_frame(),
         "matmul_peak_gflops": matmul_peak_gflops(device),
     }
-    with torch.no_grad():
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="cosystream-compiled-") as fresh:
+        if args.compile_cache_dir == "none":
+            args.compile_cache_dir = fresh
         eager = build_runner(model, args.max_batch, GraphMode.EAGER, device, direct=True)
-        result["eager"] = bench_runner(eager, batches, args.frames, args.iterations)
+        if device.type == "cpu" and not args.no_compile:
+            compiled, result["compile_startup"] = build_compiled(model, args)
+            # Shape by shape, eager and compiled in turn, twice: the ratio is what to read.
+            result["eager"], result["compiled"] = bench_interleaved(
+                [eager, compiled], batches, args.frames, args.iterations, rounds=2
+            )
+            result["compile_speedup"] = [
+                {"batch": c["batch"], "frames": c["frames"], "speedup": e["p50_ms"] / c["p50_ms"]}
+                for c, e in zip(result["compiled"], result["eager"], strict=True)
+            ]
+            del compiled
+        else:
+            result["eager"] = bench_runner(eager, batches, args.frames, args.iterations)
         gather = build_runner(model, 64, GraphMode.EAGER, device, direct=False)
         result["gather_scatter_b64"] = bench_runner(gather, [64], [1], args.iterations)[0]
         # Beam-search decoding has the runner return the 8 best tokens per frame instead of the argmax.
@@ -262,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                 for g, e in zip(result["graphs"], result["eager"], strict=True)
             ]
             result["tf32"] = bench_tf32(model, args.max_batch, device, args.iterations)
-    best = max(result["eager"] + result.get("graphs", []), key=lambda r: r["batch"] * r["frames"] / r["p50_ms"])
+    best = max(
+        result["eager"] + result.get("graphs", []) + result.get("compiled", []),
+        key=lambda r: r["batch"] * r["frames"] / r["p50_ms"],
+    )
     result["achieved_gflops"] = result["flops_per_frame"] * best["batch"] * best["frames"] / best["p50_ms"] / 1e6
     print(json.dumps(result, indent=2))
     if args.json:
@@ -279,9 +360,12 @@ def print_table(result: dict) -> None:
         f" GFLOP/s; best achieved {result['achieved_gflops']:.1f} GFLOP/s ({result['device']}, {result['threads']} thread(s))\n"
     )
     graphs = {(r["batch"], r["frames"]): r for r in result.get("graphs", [])}
+    compiled = {(r["batch"], r["frames"]): r for r in result.get("compiled", [])}
     header = f"{'batch':>6} {'T':>3} {'p50 ms':>9} {'p99 ms':>9} {'us/sess-frame':>14}"
     if graphs:
         header += f" {'graph p50':>10} {'graph x':>8}"
+    if compiled:
+        header += f" {'compiled p50':>13} {'compiled x':>11}"
     out.write(header + "\n")
     for row in result["eager"]:
         line = (
@@ -291,7 +375,18 @@ def print_table(result: dict) -> None:
         g = graphs.get((row["batch"], row["frames"]))
         if g:
             line += f" {g['p50_ms']:>10.3f} {row['p50_ms'] / g['p50_ms']:>8.1f}"
+        c = compiled.get((row["batch"], row["frames"]))
+        if c:
+            line += f" {c['p50_ms']:>13.3f} {row['p50_ms'] / c['p50_ms']:>11.2f}"
         out.write(line + "\n")
+    startup = result.get("compile_startup")
+    if startup:
+        rss = "" if startup["rss_mb"] is None else f", {startup['rss_mb']:.0f} MB more memory"
+        out.write(
+            f"compiled step: {startup['keys']} (bucket, T) keys ready in {startup['seconds']:.1f} s"
+            f" ({startup['compiled']} compiled, {startup['loaded']} loaded from {startup['cache_dir']},"
+            f" {startup['left_eager']} left eager){rss}\n"
+        )
     for row in result.get("tf32", []):
         out.write(
             f"TF32 at batch {row['batch']}: {row['tf32_p50_ms']:.3f} ms vs {row['fp32_p50_ms']:.3f} ms in float32"

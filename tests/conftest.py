@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import grpc
 import numpy as np
 import pytest
 import torch
 
 from cosystream.models import load_model
+
+# Compiled steps found in a developer's cache would change what every engine under test runs (and cost each
+# start seconds to load): the tests' servers, in process or not, get a cache of their own, empty at start.
+os.environ["COSYSTREAM_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="cosystream-test-compiled-")
+atexit.register(shutil.rmtree, os.environ["COSYSTREAM_COMPILE_CACHE"], ignore_errors=True)
 
 
 def speech_like(seconds: float, seed: int, rate_hz: int = 16000) -> np.ndarray:

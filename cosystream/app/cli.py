@@ -164,6 +164,17 @@ def model_decoders(decoder, models) -> tuple:
     return tuple(resolved)
 
 
+def compile_budget(args: argparse.Namespace) -> dict:
+    """The engine's compile budget from the flags: none given (use what is cached), or --compile's."""
+    if args.compile_budget_s is not None and not (args.compile or args.compile_only):
+        raise ValueError("--compile-budget-s goes with --compile")
+    if args.compile_budget_s is not None and args.compile_budget_s < 0:
+        raise ValueError("--compile-budget-s must be >= 0")
+    if args.compile_only:
+        return {"compile_budget_s": None}
+    return {"compile_budget_s": args.compile_budget_s} if args.compile else {}
+
+
 def given(**flags):
     """The flags that were given (not None), as config keyword arguments: the rest keep the config's default."""
     return {name: value for name, value in flags.items() if value is not None}
@@ -301,6 +312,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--frontends", type=int, default=default_frontends())
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
+    compiling = serve.add_mutually_exclusive_group()
+    compiling.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU: compile the model step's shapes not yet in the cache before serving (10-20 s each, once per "
+        "machine; without it only cached ones run compiled, the rest eager)",
+    )
+    compiling.add_argument(
+        "--no-compile", action="store_true", help="CPU: run the model step eagerly, not even from the cache"
+    )
+    compiling.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile every shape --compile would into the cache, then exit (for an image or an init step)",
+    )
+    serve.add_argument(
+        "--compile-budget-s",
+        type=float,
+        default=None,
+        help="with --compile: seconds to spend compiling at start-up (default: until every shape is compiled)",
+    )
+    serve.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="compiled steps (default: $COSYSTREAM_COMPILE_CACHE, else $XDG_CACHE_HOME/cosystream/compiled-steps)",
+    )
     serve.add_argument(
         "--batch-window-ms",
         type=float,
@@ -558,6 +595,28 @@ def serve(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)  # (the metrics folder too, whatever the exit)
 
 
+def compile_only(configs: list) -> int:
+    """``serve --compile-only``: build each CPU engine as ``serve`` would (so the cache keys match), compiling
+    every shape missing from the cache, and say what the cache now holds."""
+    from cosystream.engine.process import build_core
+
+    for config in configs:
+        core = build_core(config)
+        if core.device.type != "cpu":
+            print(f"engine {config.index or 0}: {core.device} steps through CUDA graphs, nothing to compile")
+            continue
+        for name, runner in zip(core.names, core.runners, strict=True):
+            steps = runner._compiled
+            if steps is None:
+                print(f"model {name}: runs eager (float32 models only, or no C++ compiler: see the log)")
+                continue
+            print(
+                f"model {name}: {len(runner.compiled_keys)} shapes compiled ({steps.compiled} now, {steps.loaded} "
+                f"from the cache, {steps.skipped} left eager) in {steps.cache_dir}"
+            )
+    return 0
+
+
 def _serve(args: argparse.Namespace, run_dir: str) -> int:
     # Must be set before any process imports prometheus_client (cosystream.metrics).
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", os.path.join(run_dir, "metrics"))
@@ -582,6 +641,9 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             max_sessions=args.max_sessions,
             max_batch=args.max_batch,
             graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
+            compile=not args.no_compile,
+            **compile_budget(args),
+            **given(compile_cache_dir=args.compile_cache_dir),
             realtime_batch_window_s=args.batch_window_ms / 1000,
             deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
@@ -641,6 +703,8 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             dataclasses.replace(process, address=os.path.join(run_dir, f"engine-{i}.sock"), device=d, index=i)
             for i, d in enumerate(devices)
         ]
+    if args.compile_only:
+        return compile_only(process if isinstance(process, list) else [process])
     supervisor = Supervisor(
         process,
         frontend,

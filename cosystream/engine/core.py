@@ -47,6 +47,7 @@ from cosystream.engine.scheduler import (
     StepPlan,
 )
 from cosystream.runtime.buckets import FRAME_BUCKETS
+from cosystream.runtime.compiled import COMPILE_BUDGET_S
 from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, StepResult
 from cosystream.runtime.slab import StateSlab
 
@@ -68,6 +69,11 @@ class EngineConfig:
     batch_max_duty: float | None = None  # None: 0.5 on a CPU, where frontends share the cores; 1 on CUDA
     graph_mode: GraphMode = GraphMode.EAGER
     top_k: int = 1  # token candidates per frame sent to frontends: what their text decoder reads
+    # CPU: the step compiled ahead of time, one package per (bucket, T) cached on disk (``serve --compile``
+    # fills the cache; by default only cached packages are used, the rest run eager); False: eager.
+    compile: bool = True
+    compile_budget_s: float | None = COMPILE_BUDGET_S  # start-up seconds for keys not in the cache
+    compile_cache_dir: str | None = None  # None: runtime.compiled.default_cache_dir()
 
     def __post_init__(self) -> None:
         if self.max_batch is None:
@@ -136,6 +142,9 @@ class EngineCore:
             frame_buckets=config.frame_buckets,
             graph_mode=config.graph_mode,
             top_k=config.top_k,
+            compile=config.compile,
+            compile_cache_dir=config.compile_cache_dir,
+            compile_budget_s=config.compile_budget_s,
         )
         # Every slab has a row per engine slot: a session may be on any model.
         self.slabs: list[StateSlab | None] = [

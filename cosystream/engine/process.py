@@ -255,7 +255,12 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
         engine_config.max_sessions,
         core.runner.batch_buckets,
         engine_config.graph_mode.value,
-        ", ".join(f"model {s.name} ({s.path or 'embedded'}, {s.precision})" for s in sources),
+        ", ".join(
+            f"model {s.name} ({s.path or 'embedded'}, {s.precision}"
+            + (f", {len(r.compiled_keys)} shapes compiled" if r is not None and r.compiled_keys else "")
+            + ")"
+            for s, r in zip(sources, core.runners, strict=True)
+        ),
     )
     return core
 

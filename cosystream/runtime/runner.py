@@ -5,8 +5,10 @@ A model that also has ``step_slots(pcm, slab_tensors, slots)`` is stepped direct
 
 ``run(slot_ids, frames)`` pads the batch up to the next bucket with the slab's scratch slot, so only a
 fixed set of shapes ever runs: one per (batch bucket, frames per step). On CUDA each of those is captured
-as a graph at start-up and replayed by copying inputs into the buffers it was captured with; a shape with
-no graph runs eager. The eager path always exists (CPU, ``--no-cuda-graphs``) and computes the same thing.
+as a graph at start-up and replayed by copying inputs into the buffers it was captured with; on the CPU
+(``compile``) each is compiled ahead of time (``compiled.py``) and called on those same buffers. A shape
+with neither runs eager. The eager path always exists (``--no-cuda-graphs``, ``--no-compile``) and
+computes the same thing, within the streaming tolerance.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from cosystream.models.contract import FRAME_SAMPLES, StreamingModel
 from cosystream.runtime.buckets import FRAME_BUCKETS, batch_buckets
+from cosystream.runtime.compiled import COMPILE_BUDGET_S
 from cosystream.runtime.slab import StateSlab
 
 log = logging.getLogger(__name__)
@@ -40,12 +43,19 @@ class RunnerConfig:
     direct_state: bool = True
     # Token candidates returned per frame: 1 for greedy decoding, more for beam search.
     top_k: int = 1
+    # CPU only: run each (bucket, T) step compiled ahead of time (``compiled.py``) where a package is
+    # cached or can be compiled within compile_budget_s; False: eager.
+    compile: bool = False
+    compile_cache_dir: str | None = None  # None: compiled.default_cache_dir()
+    compile_budget_s: float | None = COMPILE_BUDGET_S  # start-up time for keys not in the cache; None: all
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if self.top_k < 1:
             raise ValueError("top_k must be >= 1")
+        if self.compile_budget_s is not None and self.compile_budget_s < 0:
+            raise ValueError("compile_budget_s must be >= 0 (or None: no limit)")
         if not self.frame_buckets or any(t < 1 for t in self.frame_buckets):
             raise ValueError("frame_buckets must be positive frame counts")
         if tuple(sorted(set(self.frame_buckets))) != self.frame_buckets:
@@ -100,12 +110,20 @@ class Runner:
         )
         self._direct = config.direct_state and hasattr(model, "step_slots")
         self._graphs = None
+        self._compiled = None
         if config.graph_mode is GraphMode.GRAPHS:
             self._capture_graphs()
+        elif config.compile and self.device.type == "cpu":
+            self._compile_steps()
 
     @property
     def max_rows(self) -> int:
         return self.batch_buckets[-1]
+
+    @property
+    def compiled_keys(self) -> list[tuple[int, int]]:
+        """The (bucket, T) keys that run compiled (empty: all eager)."""
+        return [] if self._compiled is None else self._compiled.keys()
 
     def bucket_for(self, rows: int) -> int:
         for bucket in self.batch_buckets:
@@ -156,6 +174,8 @@ class Runner:
         with torch.no_grad():
             if self._graphs is not None and key in self._graphs:
                 logits = self._graphs.replay(key)
+            elif self._compiled is not None and key in self._compiled:
+                logits = self._compiled.replay(key)
             else:
                 logits = self._step(bucket, frames_per_step)
         # The one device-to-host copy of the step.
@@ -172,21 +192,34 @@ class Runner:
         return result
 
     def _step(self, bucket: int, frames_per_step: int) -> torch.Tensor:
-        slots = self._slots[:bucket]
-        pcm = self._pcm[frames_per_step][:bucket]
+        return self._step_on(*self._step_args(bucket, frames_per_step))
+
+    def _step_args(self, bucket: int, frames_per_step: int) -> tuple[torch.Tensor, ...]:
+        """The tensors a step of this key reads and writes: pcm, slots, out, then the slab's tensors."""
+        return (
+            self._pcm[frames_per_step][:bucket],
+            self._slots[:bucket],
+            self._out[frames_per_step][:bucket],
+            *self.slab.tensors,
+        )
+
+    def _step_on(
+        self, pcm: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, *slab: torch.Tensor
+    ) -> torch.Tensor:
+        """One step on explicit tensors (what ``compiled.py`` exports): updates ``slab`` rows ``slots`` and
+        ``out`` in place, returns the logits."""
         if self._direct:
-            logits = self.model.step_slots(pcm, self.slab.tensors, slots)
+            logits = self.model.step_slots(pcm, list(slab), slots)
         else:
-            caches = [tensor.index_select(0, slots) for tensor in self.slab.tensors]
+            caches = [tensor.index_select(0, slots) for tensor in slab]
             logits, caches = self.model.step(pcm, caches)
-            for tensor, cache in zip(self.slab.tensors, caches, strict=True):
+            for tensor, cache in zip(slab, caches, strict=True):
                 tensor.index_copy_(0, slots, cache)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         if self.top_k == 1:
             best, ids = logprobs.max(dim=-1, keepdim=True)
         else:
             best, ids = logprobs.topk(self.top_k, dim=-1)
-        out = self._out[frames_per_step][:bucket]
         out[..., 0].copy_(ids)
         out[..., 1].copy_(best)
         return logits
@@ -205,3 +238,95 @@ class Runner:
                     (bucket, frames_per_step), lambda b=bucket, t=frames_per_step: self._step(b, t)
                 )
         self._graphs.freeze()
+
+    def _compile_steps(self) -> None:
+        from torch.export import Dim
+
+        from cosystream.runtime.compiled import CompiledSteps, compiler_missing, fingerprint
+
+        if not _float32(self.model):
+            log.info("compiled CPU step: float32 models only (bfloat16 and int8 run eager)")
+            return
+        if self.config.compile_budget_s != 0:
+            missing = compiler_missing()
+            if missing:
+                log.warning("compiled CPU step unavailable (%s): running eager", missing)
+                return
+        specs = [(spec.name, spec.shape, spec.dtype) for spec in self.slab.specs]
+        steps = CompiledSteps(
+            fingerprint(self.model, (specs, self._direct, self.top_k)),
+            self.config.compile_cache_dir,
+            self.config.compile_budget_s,
+        )
+        module = _StepModule(self)
+        # The slab's slot count is dynamic: one package serves every max_sessions.
+        slots_dim = Dim("slab_slots", min=2, max=1 << 24)
+        dynamic = (None, None, None, tuple({0: slots_dim} for _ in self.slab.tensors))
+        # The live realtime shape (T=1) first, in case the budget runs out; small buckets before large.
+        keys = sorted(
+            ((b, t) for b in self.batch_buckets for t in self.config.frame_buckets), key=lambda k: k[::-1]
+        )
+        with torch.no_grad():
+            for bucket, frames_per_step in keys:
+                key = (bucket, frames_per_step)
+                self._fill_check_inputs(bucket, frames_per_step)
+                if not steps.capture(key, module, self._step_args(bucket, frames_per_step), dynamic):
+                    continue
+                expected, expected_slab = self._on_scratch(lambda b=bucket, t=frames_per_step: self._step(b, t))
+                got, got_slab = self._on_scratch(lambda k=key: steps.replay(k))
+                if not _close(got, expected) or not all(map(_close, got_slab, expected_slab)):
+                    log.error("the compiled step %r differs from eager beyond the streaming tolerance: eager", key)
+                    steps.drop(key)
+            for buffer in self._pcm.values():
+                buffer.zero_()
+        steps.freeze()
+        self._compiled = steps
+
+    def _fill_check_inputs(self, bucket: int, frames_per_step: int) -> None:
+        """The same noise in every row, every row on the scratch slot: whichever row writes the scratch slot
+        last, it ends the same, so a compiled step's slab update can be compared with eager's."""
+        self._slots.fill_(self.slab.scratch_slot)
+        row = torch.randn(frames_per_step * FRAME_SAMPLES, generator=torch.Generator().manual_seed(bucket)) * 0.1
+        self._pcm[frames_per_step][:bucket].copy_(row.to(self._pcm[frames_per_step].dtype))
+
+    def _on_scratch(self, step) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``step()``'s logits and the scratch slot after it, from a zeroed scratch slot (zeroed again after)."""
+        scratch = self.slab.scratch_slot
+        self.slab.reset(scratch)
+        logits = step()[:1].clone()
+        state = [tensor[scratch].clone() for tensor in self.slab.tensors]
+        self.slab.reset(scratch)
+        return logits, state
+
+
+class _StepModule(torch.nn.Module):
+    """The runner's step as a module of its tensors, for ``torch.export``: the model is a submodule, so its
+    weights export as parameters (folded and packed into the compiled code)."""
+
+    def __init__(self, runner: Runner):
+        super().__init__()
+        self.model = runner.model
+        self._step_on = runner._step_on
+
+    def forward(
+        self, pcm: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, *slab: torch.Tensor
+    ) -> torch.Tensor:
+        return self._step_on(pcm, slots, out, *slab)
+
+
+def _float32(model: torch.nn.Module) -> bool:
+    """Whether every weight is float32 and no layer is quantized (what the compiled step is checked for)."""
+    tensors = list(model.state_dict().values())
+    return all(
+        t.dtype == torch.float32 for t in tensors if torch.is_tensor(t) and t.is_floating_point()
+    ) and not any("quantized" in type(m).__module__ for m in model.modules())
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Within the streaming tolerance (max abs difference <= 1e-4 * max(1, max |expected|)); integers exact."""
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return False
+    if not expected.is_floating_point() or not expected.numel():
+        return torch.equal(got, expected)
+    scale = max(1.0, expected.abs().max().item())
+    return (got.float() - expected.float()).abs().max().item() <= 1e-4 * scale

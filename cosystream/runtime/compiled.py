@@ -1,0 +1,237 @@
+"""Ahead-of-time compiled CPU steps: the CPU counterpart of ``cuda_graphs.py``, and the only module in
+cosystream that compiles the model step.
+
+Each (batch bucket, frames per step) key is exported (``torch.export``) and compiled by AOTInductor into a
+package of C++ kernels; a step is then one call into it, with no Python between the ops, and its matmuls
+run as oneDNN calls on weights packed at compile time (about twice as fast as MKL's ``addmm`` on this AMD
+EPYC: 70-80 vs 140 us for 64x576 @ 576x192). Through the runner, one thread, eager and compiled in turn
+(``python benchmarks/step.py --max-batch 64 --frames 1 --iterations 300``): batch 1, T=1 0.28 vs 0.41 ms;
+batch 64, T=1 1.19 vs 2.65 ms; 1.5-2.5x on every key up to batch 256, T=16. Measured and not used:
+``torch.compile`` (JIT inductor) keeps MKL's matmuls with static shapes (batch 64: no gain) and, with a
+dynamic batch, gathers the rings in scalar loops; TorchScript (trace, freeze, optimize_for_inference) cuts
+batch 1 to 0.21 ms but leaves the matmuls as they are (batch 64: 2.3 ms).
+
+The key table is the only source of truth: a key compiled (or loaded) at start-up is replayed, anything
+else runs eager (the caller asks ``key in steps`` first). After ``freeze()`` any new compile raises, so no
+compilation happens while serving. A compiled step reads the very tensors it was compiled with (the
+runner's static buffers and the slab's tensors: the caller ``copy_``s into them, never rebinds) and
+updates the slab and the output buffer in place.
+
+Compiling costs 10-20 s per key here (all 36 keys of max_batch 256: 7.5 min), so packages are cached on
+disk under a fingerprint of everything the generated code depends on (torch version, CPU, threads, the
+model's weights, the source of the model's package and of the runner's step); from the cache, 36 keys
+load in 4 s. The slab's slot count is a dynamic dimension, so one package serves any ``max_sessions``.
+Keys missing from the cache are compiled while the start-up budget lasts (none by default: ``serve
+--compile`` compiles every one, ``--compile-only`` does so and exits); the rest run eager. Each loaded key
+holds about 6 MB of packed weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Hashable, Iterable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COMPILE_BUDGET_S = 0.0
+"""Start-up seconds spent compiling keys that are not in the cache (checked between keys, so one key may
+run over it); None: compile every key. By default none: a start uses the packages cached (``serve
+--compile`` or ``--compile-only`` made them) and runs the rest eager, so no start waits on a compiler."""
+
+
+CACHE_ENV = "COSYSTREAM_COMPILE_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$COSYSTREAM_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/cosystream/compiled-steps`` (``~/.cache``
+    without it)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cosystream" / "compiled-steps"
+
+
+CACHE_MAX_BYTES = 2 << 30
+"""The cache's size after start-up, at most: least recently used packages go first (every edit of the model
+or the runner makes new ones, about 7 MB a key)."""
+
+# reorder_for_locality moves the slab's functional index_put before the reads of the rows it replaces,
+# and then the slab cannot be updated in place: every step would copy every slab tensor (measured: 2 ms
+# more at batch 1 with 256 slots). Freezing folds the weights into the package, packed for the matmuls.
+INDUCTOR_CONFIGS = {"reorder_for_locality": False, "freezing": True}
+
+# The code a compiled step is made of, besides the model's own package: the runner's step, and this module.
+_STEP_MODULES = ("cosystream.runtime.runner", "cosystream.runtime.compiled")
+
+
+def compiler_missing() -> str | None:
+    """Why nothing can be compiled here (no C++ compiler on the PATH), or None."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "no C++ compiler (g++ or c++) on the PATH"
+    return None
+
+
+def fingerprint(model: torch.nn.Module, extra: Iterable[object] = ()) -> str:
+    """A digest of everything a compiled step depends on besides its key: a package compiled under another
+    fingerprint is never loaded."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for part in (torch.__version__, platform.machine(), platform.processor(), torch.get_num_threads()):
+        digest.update(f"{part}\0".encode())
+    digest.update(f"{torch.backends.cpu.get_cpu_capability()}\0{sorted(INDUCTOR_CONFIGS.items())}\0".encode())
+    sources = set(Path(importlib.import_module(type(model).__module__).__file__).parent.glob("*.py"))
+    sources.update(Path(importlib.import_module(name).__file__) for name in _STEP_MODULES)
+    for path in sorted(sources):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    for part in extra:
+        digest.update(f"{part!r}\0".encode())
+    return digest.hexdigest()[:32]
+
+
+class CompiledSteps:
+    """The compiled steps by key, each with the argument tensors it is called on, like ``CudaGraphs``."""
+
+    def __init__(
+        self, fingerprint: str, cache_dir: str | Path | None = None, budget_s: float | None = COMPILE_BUDGET_S
+    ):
+        self.fingerprint = fingerprint
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.budget_s = budget_s
+        self._spent_s = 0.0
+        self._loaders: dict[Hashable, torch._C._aoti.AOTIModelPackageLoader] = {}
+        self._args: dict[Hashable, tuple[torch.Tensor, ...]] = {}
+        self._frozen = False
+        self._compiling = True  # until the first failure: then the cause is likely the same for every key
+        self.loaded = 0  # keys found in the cache
+        self.compiled = 0  # keys compiled by this process
+        self.skipped = 0  # keys left eager: the budget was spent, or compiling failed
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._loaders
+
+    def keys(self) -> list[Hashable]:
+        return list(self._loaders)
+
+    def path(self, key: Hashable) -> Path:
+        name = "-".join(str(part) for part in (key if isinstance(key, tuple) else (key,)))
+        return self.cache_dir / f"{self.fingerprint}-{name}.pt2"
+
+    def capture(
+        self,
+        key: Hashable,
+        module: torch.nn.Module,
+        args: tuple[torch.Tensor, ...],
+        dynamic_shapes: tuple | None = None,
+    ) -> bool:
+        """Load ``key``'s package from the cache, or export ``module(*args)`` and compile it (while the
+        budget lasts). Replay calls it on these same ``args``. Returns whether ``key`` is now compiled."""
+        if self._frozen:
+            raise RuntimeError(f"step compile after start-up (key {key!r}): every key is compiled at start-up")
+        if key in self._loaders:
+            raise ValueError(f"step {key!r} already compiled")
+        path = self.path(key)
+        if not path.exists():
+            if not self._compiling or (self.budget_s is not None and self._spent_s >= self.budget_s):
+                self.skipped += 1
+                return False
+            started = time.perf_counter()
+            try:
+                self._compile(module, args, dynamic_shapes, path)
+            except Exception:
+                log.exception("compiling the step for %r failed: it and every key not cached run eager", key)
+                self._compiling = False
+                self.skipped += 1
+                return False
+            finally:
+                self._spent_s += time.perf_counter() - started
+            self.compiled += 1
+        else:
+            self.loaded += 1
+            with contextlib.suppress(OSError):
+                os.utime(path)  # recently used: kept by the size limit
+        import torch._inductor  # (heavy: 1 s and 75 MB, imported only where steps are compiled or loaded)
+
+        try:
+            package = torch._inductor.aoti_load_package(str(path))
+        except Exception:
+            log.exception("loading %s failed: removed; %r runs eager", path, key)
+            path.unlink(missing_ok=True)
+            self.skipped += 1
+            return False
+        # The loader's boxed_run takes the flat tensor list: the package's __call__ would parse its pytree
+        # spec on every call (about 30 us at batch 1).
+        self._loaders[key] = package.loader
+        self._args[key] = args
+        return True
+
+    def _compile(
+        self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: tuple | None, path: Path
+    ) -> None:
+        import torch._inductor
+        import torch.export
+
+        with torch.no_grad():
+            exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
+            try:
+                torch._inductor.aoti_compile_and_package(
+                    exported, package_path=str(partial), inductor_configs=dict(INDUCTOR_CONFIGS)
+                )
+                os.replace(partial, path)  # atomic: a concurrent start sees the whole package or none
+            finally:
+                partial.unlink(missing_ok=True)
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key`` (it runs eager): for a package that failed the caller's check."""
+        if self._frozen:
+            raise RuntimeError("the compiled keys are fixed after start-up")
+        del self._loaders[key], self._args[key]
+        self.skipped += 1
+
+    def freeze(self) -> None:
+        self._frozen = True
+        self._trim_cache()
+        log.info(
+            "compiled CPU steps: %d keys (%d from the cache, %d compiled in %.1f s), %d left eager; cache %s",
+            len(self._loaders),
+            self.loaded,
+            self.compiled,
+            self._spent_s,
+            self.skipped,
+            self.cache_dir,
+        )
+
+    def _trim_cache(self) -> None:
+        """Remove the least recently used packages past ``CACHE_MAX_BYTES`` (never one this process uses)."""
+        try:
+            packages = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.cache_dir.glob("*.pt2")]
+        except OSError:
+            return
+        total = sum(size for _, size, _ in packages)
+        in_use = {self.path(key) for key in self._loaders}
+        for _, size, path in sorted(packages):
+            if total <= CACHE_MAX_BYTES:
+                break
+            if path not in in_use:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    total -= size
+
+    def replay(self, key: Hashable) -> torch.Tensor:
+        """Run ``key``'s compiled step on its captured arguments; returns its output (a new tensor)."""
+        return self._loaders[key].boxed_run(list(self._args[key]))[0]

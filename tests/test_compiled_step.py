@@ -1,0 +1,187 @@
+"""The compiled CPU step (``runtime/compiled.py``): equal to eager within the streaming tolerance, updating the
+same slab tensors in place, eager for any key it does not have.
+
+Compiling costs 10-20 s per (bucket, T) key: the module compiles its 8 keys once, into a cache of its own;
+``serve --compile-only`` then compiles 4 more, as a user would, and a server runs them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cosystream.models import FRAME_SAMPLES
+from cosystream.runtime import compiled
+from cosystream.runtime.buckets import FRAME_BUCKETS as FRAME_BUCKETS_SERVED
+from cosystream.runtime.runner import Runner, RunnerConfig
+from cosystream.runtime.slab import StateSlab
+from tests.conftest import speech_like
+from tests.servers import Served
+from tests.speech import encode, needs_espeak, silence, speech
+from tests.test_engines import SENTENCE, transcribe
+from tests.test_runtime import run_interleaved
+
+FRAME_BUCKETS = (1, 4)  # (1, 2, 4, 8) x (1, 4): 8 keys, every shape run_interleaved steps
+MAX_BATCH = 8
+
+needs_compiler = pytest.mark.skipif(compiled.compiler_missing() is not None, reason="needs a C++ compiler")
+
+
+def make_runner(model, compile=True, max_sessions=8, **config) -> Runner:
+    config = {"compile_budget_s": None, **config}
+    slab = StateSlab(model.cache_specs(), max_sessions)
+    return Runner(
+        model, slab, RunnerConfig(max_batch=MAX_BATCH, frame_buckets=FRAME_BUCKETS, compile=compile, **config)
+    )
+
+
+def within_tolerance(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return (got - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def compiled_runner(model, tmp_path_factory):
+    """Compiles every key once for the module, into a cache of its own; each test then builds its own runner
+    from that cache."""
+    cache = str(tmp_path_factory.mktemp("compiled"))
+    runner = make_runner(model, compile_cache_dir=cache)
+    assert sorted(runner.compiled_keys) == sorted((b, t) for b in (1, 2, 4, 8) for t in FRAME_BUCKETS)
+    assert runner._compiled.compiled == 8
+    again = make_runner(model, compile_cache_dir=cache, compile_budget_s=0)
+    assert again._compiled.loaded == 8 and again._compiled.compiled == 0  # from the cache, no compiler run
+    return lambda **config: make_runner(model, compile_cache_dir=cache, **config)
+
+
+@needs_compiler
+def test_interleaved_sessions_through_the_compiled_step_equal_their_solo_runs(model, compiled_runner):
+    """Sessions that start at different times, step with different T in varying batches, through the
+    compiled runner: each equals its own offline pass and the same schedule run eagerly."""
+    compiled_sessions = run_interleaved(model, compiled_runner(), seed=7)
+    eager_sessions = run_interleaved(model, make_runner(model, compile=False), seed=7)
+    for c, e in zip(compiled_sessions, eager_sessions, strict=True):
+        streamed, eager = torch.cat(c.logits), torch.cat(e.logits)
+        assert within_tolerance(streamed, c.offline(model))
+        assert within_tolerance(streamed, eager)
+
+
+@needs_compiler
+def test_the_compiled_step_updates_the_slab_tensors_in_place(model, compiled_runner):
+    runner, eager = compiled_runner(), make_runner(model, compile=False)
+    pointers = [t.data_ptr() for t in runner.slab.tensors]
+    slots = [runner.slab.alloc() for _ in range(3)]
+    assert slots == [eager.slab.alloc() for _ in range(3)]
+    idle = runner.slab.alloc()
+    audio = np.stack([speech_like(0.2, seed=i) for i in range(3)])
+    for start in range(0, 20, 4):  # 3 rows in bucket 4: one padding row
+        chunk = audio[:, start * FRAME_SAMPLES : (start + 4) * FRAME_SAMPLES]
+        runner.run(slots, chunk)
+        eager.run(slots, chunk)
+    assert [t.data_ptr() for t in runner.slab.tensors] == pointers
+    for got, expected in zip(runner.slab.tensors, eager.slab.tensors, strict=True):
+        if expected.is_floating_point():
+            assert within_tolerance(got[slots], expected[slots])
+        else:
+            assert torch.equal(got[slots], expected[slots])  # positions: exact
+        assert not got[idle].any()  # padding rows touch only the scratch slot
+
+
+@needs_compiler
+def test_no_compile_after_start_up(model, compiled_runner):
+    runner = compiled_runner()
+    with pytest.raises(RuntimeError, match="after start-up"):
+        runner._compiled.capture((16, 1), torch.nn.Identity(), (torch.zeros(1),))
+
+
+def test_a_key_not_compiled_runs_eager(model, tmp_path):
+    """No budget and an empty cache: nothing is compiled, and the runner steps eagerly all the same."""
+    runner = make_runner(model, compile_cache_dir=str(tmp_path), compile_budget_s=0)
+    assert runner.compiled_keys == [] and runner._compiled.skipped == 8
+    slot = runner.slab.alloc()
+    out = runner.run([slot], speech_like(0.04, seed=3)[None], return_logits=True)
+    assert out.ids.shape == (1, 4, 1)
+    assert not list(tmp_path.iterdir())
+
+
+def test_without_a_compiler_the_runner_runs_eager(model, monkeypatch, tmp_path):
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    runner = make_runner(model, compile_cache_dir=str(tmp_path))
+    assert runner.compiled_keys == [] and runner._compiled is None
+
+
+def test_the_cache_fingerprint_covers_weights_and_config(model):
+    base = compiled.fingerprint(model, ("a",))
+    assert compiled.fingerprint(model, ("a",)) == base
+    assert compiled.fingerprint(model, ("b",)) != base
+    weight = model.head.bias
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[0] += 1e-3
+        assert compiled.fingerprint(model, ("a",)) != base
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
+def test_the_engine_uses_cached_steps_by_default_and_compiles_nothing(model, tmp_path):
+    """The engine's default: compiled packages from the cache, none compiled at start (an empty cache: every
+    key eager, nothing written); compile=False does not even look."""
+    from cosystream.engine.core import EngineConfig, EngineCore
+
+    assert EngineConfig().compile and EngineConfig().compile_budget_s == 0
+    config = EngineConfig(max_sessions=2, compile_cache_dir=str(tmp_path))
+    core = EngineCore(model, config, torch.device("cpu"))
+    assert core.runner.config.compile and core.runner.config.compile_cache_dir == str(tmp_path)
+    assert core.runner.compiled_keys == [] and core.runner._compiled.skipped > 0
+    assert not list(tmp_path.iterdir())
+    eager = EngineCore(model, EngineConfig(max_sessions=2, compile=False), torch.device("cpu"))
+    assert not eager.runner.config.compile and eager.runner._compiled is None
+
+
+def test_models_not_in_float32_run_eager(tmp_path):
+    from cosystream.models import load_model
+
+    runner = make_runner(load_model(precision="int8"), compile_cache_dir=str(tmp_path))
+    assert runner._compiled is None and not list(tmp_path.iterdir())
+
+
+def test_the_cache_keeps_its_size_dropping_the_least_recently_used(monkeypatch, tmp_path):
+    import os
+
+    for age, name in enumerate(["new", "mid", "old"]):
+        path = tmp_path / f"{name}-1-1.pt2"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1e9 - age * 1e6, 1e9 - age * 1e6))
+    monkeypatch.setattr(compiled, "CACHE_MAX_BYTES", 2500)
+    compiled.CompiledSteps("unused", tmp_path).freeze()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mid-1-1.pt2", "new-1-1.pt2"]
+
+
+@needs_compiler
+@needs_espeak
+def test_serve_compile_only_fills_the_cache_a_server_then_runs(tmp_path):
+    """``serve --compile-only`` compiles the shapes ``serve`` with the same flags steps, and exits; a server
+    started after it runs them from the cache (the engine's log says so) and transcribes as an eager one."""
+    flags = ("--frontends", "1", "--max-sessions", "1", "--compile-cache-dir", str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-m", "cosystream", "serve", *flags, "--compile-only"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    shapes = len(FRAME_BUCKETS_SERVED)  # batch bucket 1 only, each T
+    assert f": {shapes} shapes compiled ({shapes} now, 0 from the cache, 0 left eager)" in done.stdout
+    assert len(list(tmp_path.glob("*.pt2"))) == shapes
+    data = encode(np.concatenate([speech(SENTENCE), silence(1.0)]), "LINEAR16")
+    texts = {}
+    for name, extra in (("compiled", ()), ("eager", ("--no-compile",))):
+        with Served(*flags, *extra) as served:
+            texts[name] = transcribe(served.stub(), data)
+            log = "".join(served.log)
+        assert (f"{shapes} shapes compiled" in log) == (name == "compiled"), log
+    assert texts["compiled"] == texts["eager"] and "stella" in texts["compiled"], texts
