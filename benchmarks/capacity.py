@@ -39,8 +39,11 @@ def measure(
     wavs: list[str] | None = None,
     probe_processes: int = 1,
     engines: int = 1,
+    finalize_after_ms: float | None = None,
+    serve_args: tuple[str, ...] = (),
 ) -> dict:
     extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends), "--engines", str(engines)]
+    extra += list(serve_args)
     extra += ["--model", model] if model else []
     kind, _, beam_size = decoder.partition(":")
     extra += ["--beam-size", beam_size] if beam_size else []
@@ -61,6 +64,7 @@ def measure(
                 "--ramp-s",
                 "1",
                 *probe_extra,
+                *([] if finalize_after_ms is None else ["--finalize-after-ms", str(finalize_after_ms)]),
             )
             cpu_s = server_seconds(cpu)
             rt = result["classes"]["realtime"]
@@ -69,6 +73,8 @@ def measure(
                 "p50_ms": p(rt, "chunk_latency_ms", "p50"),
                 "p99_ms": p(rt, "chunk_latency_ms", "p99"),
                 "first_result_p50_ms": p(rt, "first_result_ms", "p50"),
+                "finalize_p50_ms": p(rt, "finalize_ms", "p50"),
+                "finalize_p99_ms": p(rt, "finalize_ms", "p99"),
                 "deadline_misses": rt["deadline_misses"],
                 "errors": rt["errors"],
                 "audio_s": rt["audio_seconds"],
@@ -86,7 +92,12 @@ def measure(
             runs.append(run)
             print(
                 f"{mode:>6} {decoder:>6} {chunk_ms:>3} ms x{count:<4} p50 {run['p50_ms']:7.1f} p99 {run['p99_ms']:8.1f}"
-                f" misses {run['deadline_misses']:>5} cpu/audio-s {run['server_cpu_ms_per_audio_s']:6.1f} ms",
+                f" misses {run['deadline_misses']:>5} cpu/audio-s {run['server_cpu_ms_per_audio_s']:6.1f} ms"
+                + (
+                    f" finalize p50 {run['finalize_p50_ms']:.1f} p99 {run['finalize_p99_ms']:.1f}"
+                    if finalize_after_ms is not None
+                    else ""
+                ),
                 file=sys.stderr,
             )
             if not run["passed"] and len(runs) >= 2 and not runs[-2]["passed"]:
@@ -157,6 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines", type=int, nargs="+", default=[1], help="serve --engines counts, measured one after the other"
     )
+    parser.add_argument(
+        "--finalize-after-ms",
+        type=float,
+        default=None,
+        help="the probe sends FINALIZE this long after each sentence; FINALIZE -> final is reported",
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more serve flag (repeatable; --serve-arg=--no-compile)",
+    )
     args = parser.parse_args(argv)
     counts = lambda mode: args.counts or DEFAULT_COUNTS[mode]  # noqa: E731
     results = [
@@ -172,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             args.wav,
             args.probe_processes,
             engines,
+            args.finalize_after_ms,
+            tuple(args.serve_arg),
         )
         for chunk_ms in args.chunk_ms
         for decoder in args.decoders
@@ -205,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                 f" {run['streams']:>8} {run['p50_ms']:>8.1f}"
                 f" {run['p99_ms']:>8.1f} {run['deadline_misses']:>7} {run['server_cpu_ms_per_audio_s']:>9.1f}"
                 f"  {'yes' if run['passed'] else 'no'}"
+                + (
+                    f"  finalize p50/p99 {run['finalize_p50_ms']:.1f}/{run['finalize_p99_ms']:.1f} ms"
+                    if args.finalize_after_ms is not None
+                    else ""
+                )
             )
     for result in results:
         engines = f", {result['engines']} engines" if result["engines"] > 1 else ""

@@ -10,7 +10,9 @@ reports p50/p90/p95/p99/max per class of:
 - chunk_latency_ms: send time of the chunk that completed the newest audio a result covers
   (``latency.audio_processed_ms``) -> that result's arrival;
 - final_latency_ms: end of speech (send time of the chunk holding it) -> the final; includes the
-  server's end-of-utterance silence (``endpointing.silence_ms``).
+  server's end-of-utterance silence (``endpointing.silence_ms``);
+- finalize_ms (``--finalize-after-ms M``): each realtime stream sends FINALIZE M ms of audio after each
+  sentence ends, as a push-to-talk client does on release; FINALIZE sent -> that utterance's final.
 
 Uses only the public API (``cosystream.v1``) and, with ``--metrics-url``, the server's Prometheus
 endpoint for deadline misses.
@@ -66,7 +68,7 @@ SENTENCES = [
     "thank you for calling how can i help you today",
     "the weather will be cloudy with a chance of rain",
 ]
-METRICS = ("first_packet_ms", "first_result_ms", "chunk_latency_ms", "final_latency_ms")
+METRICS = ("first_packet_ms", "first_result_ms", "chunk_latency_ms", "final_latency_ms", "finalize_ms")
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -148,6 +150,7 @@ class SessionStats:
     first_result_ms: list[float] = field(default_factory=list)
     chunk_latency_ms: list[float] = field(default_factory=list)
     final_latency_ms: list[float] = field(default_factory=list)
+    finalize_ms: list[float] = field(default_factory=list)
     audio_s: float = 0.0
     wall_s: float = 0.0
     error: str | None = None
@@ -156,7 +159,16 @@ class SessionStats:
 class Stream:
     """One session: its requests, the send time of each chunk, and what its responses measure."""
 
-    def __init__(self, audio: Audio, chunk_ms: int, encoding: int, rate_hz: int, priority: str, duration_s: float):
+    def __init__(
+        self,
+        audio: Audio,
+        chunk_ms: int,
+        encoding: int,
+        rate_hz: int,
+        priority: str,
+        duration_s: float,
+        finalize_after_ms: float | None = None,
+    ):
         self.audio = audio
         self.chunk_ms = chunk_ms
         self.priority = priority
@@ -190,6 +202,17 @@ class Stream:
             if on + k * period_ms < len(loop) * 1000 // rate_hz
         ]
         self.queue: asyncio.Queue | None = None
+        # FINALIZE after these chunks (the one holding each sentence's end + finalize_after_ms).
+        self.finalize_after = (
+            set()
+            if finalize_after_ms is None
+            else {
+                self.chunk_index(off + finalize_after_ms)
+                for _, off in self.spans
+                if off + finalize_after_ms < len(loop) * 1000 // rate_hz
+            }
+        )
+        self.finalize_sent: list[float] = []  # send times of the FINALIZEs not yet answered by a final
 
     def chunk_index(self, audio_ms: float) -> int:
         return min(len(self.chunks) - 1, max(0, math.ceil(audio_ms / self.chunk_ms) - 1))
@@ -207,6 +230,9 @@ class Stream:
                 return
             self.sent_s[i] = time.monotonic()
             yield pb.StreamingRecognizeRequest(audio=self.chunks[i])
+            if i in self.finalize_after:
+                self.finalize_sent.append(time.monotonic())
+                yield pb.StreamingRecognizeRequest(control=pb.Control(type=pb.Control.FINALIZE))
 
     async def run(self, stub, connection: Connection | None = None) -> None:
         stats = self.stats
@@ -239,6 +265,8 @@ class Stream:
                         end = self.sent_s[self.chunk_index(result.end_ms)]
                         if not math.isnan(end):
                             stats.final_latency_ms.append((now - end) * 1e3)
+                        if self.finalize_sent:
+                            stats.finalize_ms.append((now - self.finalize_sent.pop(0)) * 1e3)
         except grpc.aio.AioRpcError as err:
             code, details = status.code_and_details(err)
             stats.error = describe_error(code, details, connection)
@@ -253,7 +281,8 @@ async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats
     channels = [connection.aio_channel(args.server, options=options) for _ in range(args.channels)]
     stubs = [pb_grpc.CosyStreamStub(c) for c in channels]
     realtime = [
-        Stream(audio, args.chunk_ms, encoding, args.rate, "realtime", args.duration) for _ in range(args.realtime)
+        Stream(audio, args.chunk_ms, encoding, args.rate, "realtime", args.duration, args.finalize_after_ms)
+        for _ in range(args.realtime)
     ]
     batch = [
         Stream(audio, args.batch_chunk_ms, encoding, args.rate, "batch", args.duration) for _ in range(args.batch)
@@ -444,6 +473,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-chunk-ms", type=int, default=100)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of audio per realtime session")
     parser.add_argument("--ramp-s", type=float, default=1.0, help="spread session starts over this long")
+    parser.add_argument(
+        "--finalize-after-ms",
+        type=float,
+        default=None,
+        help="realtime streams send FINALIZE this long after each sentence ends (measures finalize_ms)",
+    )
     parser.add_argument("--encoding", choices=["LINEAR16", "MULAW"], default="LINEAR16")
     parser.add_argument("--rate", type=int, default=16000)
     parser.add_argument("--wav", nargs="*", help="WAV files to stream (default: synthesized speech)")

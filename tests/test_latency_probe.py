@@ -84,3 +84,17 @@ def test_plot_writes_a_png(tmp_path, flag):
     with Server("--max-sessions", "8") as server:
         run_probe(server, tmp_path, "--realtime", "2", "--duration", "2", flag, str(tmp_path / "cdf.png"))
     assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_finalize_after_each_sentence_times_its_final(tmp_path):
+    """``--finalize-after-ms 100``: each sentence is ended by FINALIZE 100 ms after it, well before the
+    endpointer's 500 ms of silence would end it, so every final comes sooner than that silence."""
+    from cosystream.audio.endpointing import EndpointingConfig
+
+    with Server("--max-sessions", "8", "--frontends", "1") as server:
+        result, _ = run_probe(server, tmp_path, "--realtime", "2", "--duration", "8", "--finalize-after-ms", "100")
+    realtime = result["classes"]["realtime"]
+    assert realtime["errors"] == 0
+    finalize, final = realtime["finalize_ms"], realtime["final_latency_ms"]
+    assert finalize["p50"] is not None and 0 < finalize["p50"] <= finalize["max"], finalize
+    assert final["max"] < EndpointingConfig().silence_ms, (final, finalize)
