@@ -1,7 +1,8 @@
 """The frontend <-> engine channel: what one tick's message costs, by transport and batch size.
 
 A tick's message carries one 10 ms frame (160 float32 samples) for each of N sessions, as the frontend
-sends it (``ToEngine.pack()``), and the engine answers with one token id and log-probability per frame.
+sends it (``ToEngine.pack()``), and the engine answers with the 8 best token ids and log-probabilities per
+frame, one step's block (``ToFrontend.add_step``).
 Measures the round trip (send, the peer receives and answers, receive) between two processes for:
 
 - ``connection``: ``multiprocessing.connection`` over a Unix socket, pickle protocol 5 (what cosystream uses);
@@ -38,15 +39,17 @@ def tick_message(sessions: int) -> tuple:
     return message.pack()
 
 
+TOP_K = 8  # the candidates per frame a beam-search frontend reads
+
+
 def reply(message: tuple) -> tuple:
-    _, keys, counts, _frames = message
+    """The engine's answer: one step of every session's frame, as ``EngineCore`` files it."""
+    _, keys, _counts, _frames = message
     box = ipc.ToFrontend()
-    for key, count in zip(keys, counts, strict=True):
-        box.keys.append(key)
-        box.ids.append(np.zeros(count, np.int32))
-        box.logprobs.append(np.zeros(count, np.float32))
-        box.queue_s.append(0.0)
-        box.compute_s.append(0.0)
+    rows = len(keys)
+    box.add_step(
+        list(keys), np.zeros((rows, 1, TOP_K), np.int32), np.zeros((rows, 1, TOP_K), np.float32), [0.0] * rows, 0.0
+    )
     return box.pack()
 
 

@@ -64,7 +64,7 @@ def run(core: EngineCore, ops: list[tuple], frames: dict[int, np.ndarray]) -> ip
 
 def out_of(box: ipc.ToFrontend, key: int) -> np.ndarray:
     """Session ``key``'s per-frame log-probabilities (the ids of noise are all blanks)."""
-    return np.concatenate([lp for k, lp in zip(box.keys, box.logprobs, strict=True) if k == key])
+    return np.concatenate([lp for k, _, lp, *_ in box.rows() if k == key])
 
 
 def test_a_new_version_takes_over_at_utterance_boundaries_and_the_old_is_freed(v2_dir):

@@ -35,15 +35,15 @@ def test_an_empty_message_round_trips():
 
 def test_to_frontend_round_trips():
     box = ipc.ToFrontend(events=[(ipc.Event.OPENED, 3), (ipc.Event.ACTIVE, 5, 2)])
-    box.keys.append(3)
-    box.ids.append(np.arange(4, dtype=np.int32)[:, None])
-    box.logprobs.append(np.zeros((4, 1), np.float32))
-    box.queue_s.append(0.001)
-    box.compute_s.append(0.002)
+    ids = np.arange(8, dtype=np.int32).reshape(2, 4, 1)
+    box.add_step([3, 9], ids, np.zeros((2, 4, 1), np.float32), [0.001, 0.003], 0.002)
+    box.add_step([3], ids[:1, :1] + 100, np.ones((1, 1, 1), np.float32), [0.0], 0.004)
     received = ipc.ToFrontend.unpack(pickle.loads(pickle.dumps(box.pack(), protocol=5)))
-    assert received.events == box.events and received.keys == [3]
-    np.testing.assert_array_equal(received.ids[0], box.ids[0])
-    assert (received.queue_s, received.compute_s) == ([0.001], [0.002])
+    assert received.events == box.events and received.keys == [3, 9, 3]
+    rows = list(received.rows())
+    assert [(key, q, c) for key, _, _, q, c in rows] == [(3, 0.001, 0.002), (9, 0.003, 0.002), (3, 0.0, 0.004)]
+    np.testing.assert_array_equal(rows[1][1], ids[1])
+    assert rows[2][1].tolist() == [[100]] and rows[2][2].shape == (1, 1)
 
 
 def test_the_engine_client_and_the_naive_baseline_are_both_engines():

@@ -97,7 +97,7 @@ def step_all(core: EngineCore, opens: list[tuple]) -> dict[int, tuple[np.ndarray
     box = core.take_outbox()[0]
     assert sorted(e[1] for e in box.events if e[0] == ipc.OPENED) == sorted(op[1] for op in opens)
     out: dict[int, list] = {}
-    for key, ids, logprobs in zip(box.keys, box.ids, box.logprobs, strict=True):
+    for key, ids, logprobs, *_ in box.rows():
         out.setdefault(key, []).append((ids, logprobs))
     return {key: tuple(np.concatenate(parts) for parts in zip(*runs, strict=True)) for key, runs in out.items()}
 

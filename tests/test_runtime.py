@@ -252,7 +252,7 @@ def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
         stepped += plan.rows * plan.frames
     assert stepped == 16
     box = core.take_outbox()[0]
-    assert box.events == [(ipc.OPENED, 7, 0)] and sum(len(ids) for ids in box.ids) == 16
+    assert box.events == [(ipc.OPENED, 7, 0)] and sum(len(ids) for _, ids, *_ in box.rows()) == 16
 
 
 def test_a_cuda_device_that_is_not_there_is_refused_with_a_reason():

@@ -469,14 +469,22 @@ class EngineCore:
         """File a step's result back: its cost to the scheduler, each row's tokens to its frontend's outbox,
         the step to the metrics."""
         self.scheduler.update_cost(plan.rows, plan.frames, compute_s, plan.priority, plan.model)
-        for row, slot in enumerate(plan.slots):
-            frontend, key = self._owner[slot]
-            box = self._box(frontend)
-            box.keys.append(key)
-            box.ids.append(result.ids[row])
-            box.logprobs.append(result.logprobs[row])
-            box.queue_s.append(plan.queue_wait_s[row])
-            box.compute_s.append(compute_s)
+        owners = [self._owner[slot] for slot in plan.slots]
+        frontends = {frontend for frontend, _ in owners}
+        if len(frontends) == 1:  # (one frontend, or a step of one frontend's sessions): the arrays as they are
+            self._box(frontends.pop()).add_step(
+                [key for _, key in owners], result.ids, result.logprobs, plan.queue_wait_s, compute_s
+            )
+        else:
+            for frontend in sorted(frontends):
+                rows = [row for row, (f, _) in enumerate(owners) if f == frontend]
+                self._box(frontend).add_step(
+                    [owners[row][1] for row in rows],
+                    result.ids[rows],
+                    result.logprobs[rows],
+                    [plan.queue_wait_s[row] for row in rows],
+                    compute_s,
+                )
         if self.metrics is not None:
             self.metrics.observe_step(
                 plan.priority.name.lower(), plan.rows, plan.frames, compute_s, plan.deadline_misses

@@ -176,20 +176,36 @@ class ToEngine:
 
 @dataclass(slots=True)
 class ToFrontend:
-    """What one engine step sends a frontend: events, and per session key a run of per-frame results."""
+    """What the engine sends a frontend: events, and the results of the steps since its last message, one
+    block per step, as the step made them: its rows' session keys, their ids and log-probabilities as one
+    array each (``[rows, T, top_k]``, the rows of this frontend's sessions), each row's queue wait, the
+    step's compute time. A block pickles as two arrays whatever its rows: per-row arrays cost the engine and
+    the frontend a pickle header and a reduce call each, per row and step."""
 
     events: list[tuple] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
-    ids: list[np.ndarray] = field(default_factory=list)
-    logprobs: list[np.ndarray] = field(default_factory=list)
-    queue_s: list[float] = field(default_factory=list)
-    compute_s: list[float] = field(default_factory=list)
+    steps: list[tuple[list[int], np.ndarray, np.ndarray, list[float], float]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.keys)
+        return bool(self.events or self.steps)
+
+    def add_step(
+        self, keys: list[int], ids: np.ndarray, logprobs: np.ndarray, queue_s: list[float], compute_s: float
+    ) -> None:
+        self.steps.append((keys, ids, logprobs, queue_s, compute_s))
+
+    def rows(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, float, float]]:
+        """``(key, ids [T, top_k], logprobs [T, top_k], queue_s, compute_s)`` per row, in step order."""
+        for keys, ids, logprobs, queue_s, compute_s in self.steps:
+            for row, key in enumerate(keys):
+                yield key, ids[row], logprobs[row], queue_s[row], compute_s
+
+    @property
+    def keys(self) -> list[int]:
+        """Every row's session key, in step order."""
+        return [key for keys, *_ in self.steps for key in keys]
 
     def pack(self) -> tuple:
-        return (self.events, self.keys, self.ids, self.logprobs, self.queue_s, self.compute_s)
+        return (self.events, self.steps)
 
     @classmethod
     def unpack(cls, message: tuple) -> ToFrontend:

@@ -350,12 +350,12 @@ class EngineClient:
             elif kind in (ipc.REJECTED, ipc.SHED):
                 self._sinks.pop(event[1], None)
                 sink.on_refused(event[2], shed=kind == ipc.SHED)
-        for key, row_ids, row_logprobs, q, c in zip(
-            box.keys, box.ids, box.logprobs, box.queue_s, box.compute_s, strict=True
-        ):
-            sink = self._sinks.get(key)
-            if sink is not None:
-                sink.on_results(row_ids, row_logprobs, q, c)
+        sinks = self._sinks
+        for keys, ids, logprobs, queue_s, compute_s in box.steps:
+            for row, key in enumerate(keys):
+                sink = sinks.get(key)
+                if sink is not None:
+                    sink.on_results(ids[row], logprobs[row], queue_s[row], compute_s)
 
     def _model_event(self, event: tuple) -> None:
         kind = event[0]
