@@ -500,3 +500,55 @@ def test_realtime_batch_window_gathers_rows():
     assert sched.schedule().rows == 3 and not sched.has_work()
     clock.now = 0.010
     assert sched.schedule().slots == [3]
+
+
+def test_an_ended_utterance_steps_at_once_and_before_older_frames():
+    """``end_utterance``: the session's frames are due now (no batching window), its (model, T) group
+    steps before the other realtime frames, even older ones, until nothing of it is left; then the
+    window applies again."""
+    clock = FakeClock()
+    config = unit_config(max_sessions=8, max_batch=8, realtime_batch_window_s=0.004, realtime_max_frames=16)
+    sched = Scheduler(config, clock=clock)
+    for slot in range(4):
+        open_session(sched, slot, RT)
+    for slot in (0, 1, 2):
+        sched.add_frames(slot, 1, 0.000)  # live frames, waiting for company
+    sched.add_frames(3, 24, 0.001)  # an utterance's last frames and its end-of-utterance silence
+    clock.now = 0.002
+    assert sched.schedule() is None  # without the end: the window still runs
+    sched.end_utterance(3)
+    assert sched.realtime_due_s() == -math.inf
+    first = sched.schedule()
+    assert (first.slots, first.frames) == ([3], 16)  # before the older live frames
+    second = sched.schedule()
+    assert (second.slots, second.frames) == ([3], 4)
+    third = sched.schedule()
+    assert (third.slots, third.frames) == ([3], 4)  # all 24 frames stepped, three steps in a row
+    assert sched.schedule() is None  # the live frames wait out their window again
+    clock.now = 0.004
+    assert sched.schedule().slots == [0, 1, 2]
+    # Ending a session with nothing pending, or a BATCH one, changes nothing.
+    sched.end_utterance(3)
+    open_session(sched, 5, BATCH)
+    sched.add_frames(5, 4, 0.004)
+    sched.end_utterance(5)
+    sched.add_frames(0, 1, 0.005)
+    assert sched.realtime_due_s() == pytest.approx(0.009)
+
+
+def test_ending_utterances_share_steps_and_a_removed_session_is_forgotten():
+    clock = FakeClock()
+    config = unit_config(max_sessions=8, max_batch=8, realtime_batch_window_s=0.004, realtime_max_frames=16)
+    sched = Scheduler(config, clock=clock)
+    for slot in range(4):
+        open_session(sched, slot, RT)
+    for slot in (1, 2):
+        sched.add_frames(slot, 16, 0.0)
+        sched.end_utterance(slot)
+    sched.add_frames(3, 16, 0.0)  # the same T, not ending: joins the step
+    sched.add_frames(0, 4, 0.0)
+    sched.end_utterance(0)
+    sched.remove(0)
+    plan = sched.schedule()
+    assert (plan.slots, plan.frames) == ([1, 2, 3], 16)
+    assert sched.schedule() is None and sched.realtime_due_s() is None

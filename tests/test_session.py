@@ -27,7 +27,7 @@ class FakeEngine:
         self.frames_sent = 0
         self.silence_frames = 0
         self.resets = 0
-        self.log: list[str] = []  # "frames N" / "reset" in order
+        self.log: list[str] = []  # "frames N" / "end IN_FLIGHT" / "reset" in order
         self.session: Session | None = None
 
     def send_frames(self, key: int, frames: np.ndarray) -> None:
@@ -35,6 +35,9 @@ class FakeEngine:
         self.frames_sent += len(frames)
         self.silence_frames += int(sum(not frame.any() for frame in frames))
         self.log.append(f"frames {len(frames)}")
+
+    def end_utterance(self, key: int) -> None:
+        self.log.append(f"end {self.in_flight}")
 
     def reset(self, key: int) -> None:
         self.resets += 1
@@ -155,6 +158,23 @@ def test_half_close_mid_utterance_pads_the_end_and_flushes_the_final():
     engine.answer()
     assert kinds(emitted)[-2:] == ["ended", "final"]
     assert engine.silence_frames >= END_CONTEXT_FRAMES  # the model gets context after the last word
+
+
+def test_finalize_marks_the_end_after_its_silence_so_the_engine_steps_it_at_once():
+    """FINALIZE mid-utterance: the end-of-utterance silence goes out, then END with every frame of the
+    utterance still in flight (the frames the final waits for), then, once they are answered, the final
+    and RESET. An utterance the endpointer ends is marked too, with what it has in flight."""
+    session, engine, emitted = make_session(max_in_flight_frames=1000)
+    feed(session, engine, np.concatenate([np.zeros(8000, np.float32), speech_like(1.0, seed=4)]), answer=False)
+    in_flight, silence = engine.in_flight, engine.silence_frames
+    session.finalize()
+    pad = engine.silence_frames - silence
+    assert pad > 0 and engine.log[-2:] == [f"frames {pad}", f"end {in_flight + pad}"]
+    assert "final" not in kinds(emitted)
+    engine.answer()
+    assert kinds(emitted)[-2:] == ["ended", "final"] and engine.log[-1] == "reset"
+    feed(session, engine, talk())  # answered chunk by chunk: the endpointer's end leaves one frame to step
+    assert [entry for entry in engine.log if entry.startswith("end")] == [f"end {in_flight + pad}", "end 1"]
 
 
 @pytest.mark.parametrize("chunk_ms", [10, 20])

@@ -96,6 +96,9 @@ class NaiveEngine:
         compute_s = time.perf_counter() - started
         self._loop.call_soon(sink.on_results, ids.numpy(), best.numpy(), 0.0, compute_s)
 
+    def end_utterance(self, key: int) -> None:
+        pass  # every frame is stepped as it is sent
+
     def reset(self, key: int) -> None:
         if key in self._caches:
             self._caches[key] = self.model.init_caches(1)

@@ -205,9 +205,12 @@ class EngineCore:
         message = ipc.ToEngine.unpack(message)
         # Deadlines and the batching window count from arrival here, in the engine.
         arrival_s = time.monotonic()
+        ends = []
         for op in message.ops:
             kind, key = op[0], op[1]
-            if kind == ipc.OPEN:
+            if kind == ipc.END:
+                ends.append(key)  # (after this message's frames: they are among those it ends)
+            elif kind == ipc.OPEN:
                 self._open(frontend, key, Priority(op[2]), op[3] if len(op) > 3 else 0)
             elif kind == ipc.RESET:
                 slot = self._slot_of.get((frontend, key))
@@ -226,6 +229,10 @@ class EngineCore:
             slot = self._slot_of.get((frontend, key))
             if slot is not None:
                 self._enqueue(slot, frames, arrival_s)
+        for key in ends:
+            slot = self._slot_of.get((frontend, key))
+            if slot is not None:
+                self.scheduler.end_utterance(slot)
 
     def disconnect(self, frontend: int) -> None:
         """A frontend went away: free every slot it held."""

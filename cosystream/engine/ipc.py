@@ -41,6 +41,9 @@ class Op(IntEnum):
     UNLOAD = 5  # (UNLOAD, request, name): stop serving ``name``; answered UNLOADED
     # (PREPARED, request, error): the answer to PREPARE: this frontend can decode the model ("") or why not
     PREPARED = 6
+    # (END, key): the session's utterance has ended; its frames sent so far (this message's among them, the
+    # end-of-utterance silence) are all its final waits for: step them now (Scheduler.end_utterance)
+    END = 7
 
 
 class Event(IntEnum):
@@ -68,7 +71,7 @@ class Event(IntEnum):
     PREPARE = 19
 
 
-OPEN, RESET, CLOSE, LISTENING, LOAD, UNLOAD, PREPARED = Op
+OPEN, RESET, CLOSE, LISTENING, LOAD, UNLOAD, PREPARED, END = Op
 HELLO, OPENED, REJECTED, SHED, ACTIVE, MODELS, MOVED, LOADED, UNLOADED, PREPARE = Event
 LOAD_FAILED, UNDECODABLE, BUSY = "load_failed", "undecodable", "busy"  # LOADED's failures
 

@@ -27,6 +27,11 @@ Policy (the scheduler contract in README.md, "How it works"):
   Step costs are measured per model. With one model (the usual case) nothing of this costs anything.
   A model loaded while serving (a new version beside the old) gets an index of its own, ``add_model()``;
   a session moves to it between utterances, ``move(slot, model)``.
+- End of utterance: the frontend ends a session's utterance (``end_utterance``) when its utterance has ended and the frames
+  still to step (the end-of-utterance silence among them) are all its final waits for. Those frames are
+  due at once, not after the batching window, and the ending session's (model, T) group steps before any
+  other realtime group until nothing of it is left: FINALIZE -> final costs a few steps of one session,
+  however many sessions wait.
 - Admission: at most ``max_sessions`` sessions, of all models together. `admit()` is asked *before* the engine allocates a slot
   (a full engine has no free slot to offer): on a full engine a REALTIME request sheds the most recently
   admitted BATCH session, anything else gets `AdmissionError`.
@@ -194,6 +199,8 @@ class Scheduler:
         self._num_active = 0
         # Slots with >= 1 pending frame, in round-robin order (values unused).
         self._ready_rt: OrderedDict[int, None] = OrderedDict()
+        # Realtime sessions whose pending frames end an utterance (``end_utterance``), in that order.
+        self._rt_ending: OrderedDict[int, None] = OrderedDict()
         # Arrival of the oldest frame waiting in _ready_rt.
         self._rt_waiting_since = math.inf
         self._batch_allowed_s = -math.inf  # the duty cap's earliest time for the next BATCH step
@@ -283,10 +290,20 @@ class Scheduler:
         self.stats.frames_dropped += s.pending
         if s.priority == Priority.REALTIME:
             self._ready_rt.pop(slot, None)
+            self._rt_ending.pop(slot, None)
         else:
             self._ready_batch.pop(slot, None)
             self._batch_admitted.pop(slot, None)
         return True
+
+    def end_utterance(self, slot: int) -> None:
+        """The frames pending for the realtime session on ``slot`` end an utterance (its end-of-utterance
+        silence among them), and its final waits for them: they are due at once, not after the batching
+        window, and step before any other realtime frames until none is left. Nothing for a session with
+        nothing pending, or a BATCH one."""
+        s = self._sessions[slot] if 0 <= slot < self.config.max_sessions else None
+        if s is not None and s.pending and s.priority == Priority.REALTIME:
+            self._rt_ending[slot] = None
 
     def add_frames(self, slot: int, n: int, arrival_s: float) -> None:
         """Record ``n`` frames for ``slot`` that arrived at ``arrival_s`` (same clock as the scheduler's)."""
@@ -330,7 +347,11 @@ class Scheduler:
         """Clock time at which waiting realtime frames are due to step (None when none wait)."""
         if not self._ready_rt:
             return None
-        if len(self._ready_rt) >= self.config.max_batch or self.config.realtime_batch_window_s <= 0:
+        if (
+            self._rt_ending
+            or len(self._ready_rt) >= self.config.max_batch
+            or self.config.realtime_batch_window_s <= 0
+        ):
             return -math.inf
         return self._rt_waiting_since + self.config.realtime_batch_window_s
 
@@ -367,6 +388,8 @@ class Scheduler:
 
     def _schedule_realtime(self, now: float) -> StepPlan:
         sessions, table, cap = self._sessions, self._rt_frames, self.config.realtime_max_frames
+        if self._rt_ending:
+            return self._schedule_ending(now)
         window = list(islice(self._ready_rt, self.config.max_batch))
         ts = []  # per row, its group: T, or T + model * stride with several models
         if len(self._cost_s) == 1:
@@ -392,6 +415,26 @@ class Scheduler:
         group = min(oldest, key=oldest.__getitem__)
         rows = [slot for slot, ti in zip(window, ts, strict=True) if ti == group]
         model, t = divmod(group, self._model_stride)
+        return self._commit(Priority.REALTIME, rows, t, model, now)
+
+    def _schedule_ending(self, now: float) -> StepPlan:
+        """A step of the first ending session's (model, T) group: it, the other ending sessions of that
+        group, then the group's other ready sessions in round-robin order, up to ``max_batch`` rows."""
+        sessions, table, cap = self._sessions, self._rt_frames, self.config.realtime_max_frames
+
+        def group(slot: int) -> tuple[int, int]:
+            s = sessions[slot]
+            return s.model, table[s.pending if s.pending < cap else cap]
+
+        first = next(iter(self._rt_ending))
+        model, t = group(first)
+        rows = [slot for slot in self._rt_ending if group(slot) == (model, t)][: self.config.max_batch]
+        taken = set(rows)
+        for slot in self._ready_rt:
+            if len(rows) >= self.config.max_batch:
+                break
+            if slot not in taken and group(slot) == (model, t):
+                rows.append(slot)
         return self._commit(Priority.REALTIME, rows, t, model, now)
 
     def _schedule_batch(self, now: float) -> StepPlan:
@@ -442,6 +485,8 @@ class Scheduler:
                 ready.move_to_end(slot)
             else:
                 del ready[slot]
+                if realtime:
+                    self._rt_ending.pop(slot, None)
         st = self.stats
         if realtime:
             # Frames left waiting (another T group, or a backlog) keep their own age.

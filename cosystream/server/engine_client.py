@@ -88,6 +88,10 @@ class Engine(Protocol):
 
     def send_frames(self, key: int, frames: np.ndarray) -> None: ...
 
+    def end_utterance(self, key: int) -> None:
+        """The utterance has ended: the frames sent so far are all its final waits for (step them now)."""
+        ...
+
     def reset(self, key: int) -> None: ...
 
     def close(self, key: int) -> None: ...
@@ -245,6 +249,10 @@ class EngineClient:
 
     def send_frames(self, key: int, frames: np.ndarray) -> None:
         self._pending.add_frames(key, frames)
+        self._schedule_flush()
+
+    def end_utterance(self, key: int) -> None:
+        self._pending.ops.append((ipc.END, key))
         self._schedule_flush()
 
     def reset(self, key: int) -> None:

@@ -220,6 +220,11 @@ class EnginePool:
                 routed.early.append(frames)
             self.clients[routed.engine].send_frames(key, frames)
 
+    def end_utterance(self, key: int) -> None:
+        routed = self._route.get(key)
+        if routed is not None:
+            self.clients[routed.engine].end_utterance(key)
+
     def reset(self, key: int) -> None:
         routed = self._route.get(key)
         if routed is not None:

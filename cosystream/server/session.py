@@ -52,6 +52,8 @@ class EngineLink:
 
     def send_frames(self, key: int, frames: np.ndarray) -> None: ...
 
+    def end_utterance(self, key: int) -> None: ...
+
     def reset(self, key: int) -> None: ...
 
 
@@ -249,6 +251,8 @@ class Session:
                         self.engine.send_frames(self.key, np.zeros((pad, FRAME_SAMPLES), dtype=np.float32))
                         utterance.sent += pad
                         self._pad_frames_sent += pad
+                    if utterance.received < utterance.sent:
+                        self.engine.end_utterance(self.key)  # what is left to step, stepped now
                     utterance.flushed = True
                 if utterance.received < utterance.sent:
                     return  # the final waits for the results of every frame sent
