@@ -100,7 +100,7 @@ stage() {  # NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAM
 summarise
 stage tests "$TEST_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime.py tests/test_model_streaming.py \
   "tests/test_engines.py::test_two_engines_on_one_gpu_each_capture_their_graphs_and_serve" --junitxml="$OUT/tests.xml"
-stage step "$STEP_S" "$PY" benchmarks/step.py --device "$DEVICE" --max-batch "$MAX_BATCH" --frames 1 4 16 \
+stage step "$STEP_S" "$PY" benchmarks/step.py --device "$DEVICE" --max-batch "$MAX_BATCH" --frames 1 4 16 --no-compile \
   --iterations "$ITERATIONS" --json "$OUT/step.json"
 # shellcheck disable=SC2086  # COUNTS is a list
 stage capacity "$CAPACITY_S" "$PY" -m benchmarks.capacity --modes engine --device "$DEVICE" --chunk-ms 10 20 \

@@ -185,3 +185,19 @@ def test_serve_compile_only_fills_the_cache_a_server_then_runs(tmp_path):
             log = "".join(served.log)
         assert (f"{shapes} shapes compiled" in log) == (name == "compiled"), log
     assert texts["compiled"] == texts["eager"] and "stella" in texts["compiled"], texts
+
+
+def test_the_cache_folder_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "mine"))
+    assert compiled.default_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv(compiled.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compiled.default_cache_dir() == tmp_path / "cosystream" / "compiled-steps"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(compiled.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    assert compiled.default_cache_dir() == tmp_path / "cosystream" / "compiled-steps"

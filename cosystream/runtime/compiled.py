@@ -56,7 +56,14 @@ def default_cache_dir() -> Path:
     without it)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
+            import tempfile
+
+            base = tempfile.gettempdir()
     return Path(base) / "cosystream" / "compiled-steps"
 
 
