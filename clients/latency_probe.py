@@ -415,6 +415,8 @@ def table(result: dict, other: dict | None = None) -> str:
             continue
         for metric in METRICS:
             s = entry[metric]
+            if metric == "finalize_ms" and s["p50"] is None:
+                continue  # measured only with --finalize-after-ms
             cells = " ".join(
                 f"{s[k]:>8.1f}" if s[k] is not None else f"{'-':>8}" for k in ("p50", "p90", "p95", "p99", "max")
             )
