@@ -136,7 +136,7 @@ def build_compiled(model, args: argparse.Namespace) -> tuple[Runner, dict]:
         compile_budget_s=args.compile_budget_s,
     )
     seconds = time.perf_counter() - started
-    steps = runner._compiled
+    steps = runner.compiled_steps
     after = rss_mb()
     startup = {
         "seconds": seconds,

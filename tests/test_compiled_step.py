@@ -50,9 +50,11 @@ def compiled_runner(model, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("compiled"))
     runner = make_runner(model, compile_cache_dir=cache)
     assert sorted(runner.compiled_keys) == sorted((b, t) for b in (1, 2, 4, 8) for t in FRAME_BUCKETS)
-    assert runner._compiled.compiled == 8
+    assert runner.compiled_steps.compiled == 8
     again = make_runner(model, compile_cache_dir=cache, compile_budget_s=0)
-    assert again._compiled.loaded == 8 and again._compiled.compiled == 0  # from the cache, no compiler run
+    assert (
+        again.compiled_steps.loaded == 8 and again.compiled_steps.compiled == 0
+    )  # from the cache, no compiler run
     return lambda **config: make_runner(model, compile_cache_dir=cache, **config)
 
 
@@ -93,13 +95,13 @@ def test_the_compiled_step_updates_the_slab_tensors_in_place(model, compiled_run
 def test_no_compile_after_start_up(model, compiled_runner):
     runner = compiled_runner()
     with pytest.raises(RuntimeError, match="after start-up"):
-        runner._compiled.capture((16, 1), torch.nn.Identity(), (torch.zeros(1),))
+        runner.compiled_steps.capture((16, 1), torch.nn.Identity(), (torch.zeros(1),))
 
 
 def test_a_key_not_compiled_runs_eager(model, tmp_path):
     """No budget and an empty cache: nothing is compiled, and the runner steps eagerly all the same."""
     runner = make_runner(model, compile_cache_dir=str(tmp_path), compile_budget_s=0)
-    assert runner.compiled_keys == [] and runner._compiled.skipped == 8
+    assert runner.compiled_keys == [] and runner.compiled_steps.skipped == 8
     slot = runner.slab.alloc()
     out = runner.run([slot], speech_like(0.04, seed=3)[None], return_logits=True)
     assert out.ids.shape == (1, 4, 1)
@@ -109,7 +111,7 @@ def test_a_key_not_compiled_runs_eager(model, tmp_path):
 def test_without_a_compiler_the_runner_runs_eager(model, monkeypatch, tmp_path):
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     runner = make_runner(model, compile_cache_dir=str(tmp_path))
-    assert runner.compiled_keys == [] and runner._compiled is None
+    assert runner.compiled_keys == [] and runner.compiled_steps is None
 
 
 def test_the_cache_fingerprint_covers_weights_and_config(model):
@@ -136,17 +138,17 @@ def test_the_engine_uses_cached_steps_by_default_and_compiles_nothing(model, tmp
     config = EngineConfig(max_sessions=2, compile_cache_dir=str(tmp_path))
     core = EngineCore(model, config, torch.device("cpu"))
     assert core.runner.config.compile and core.runner.config.compile_cache_dir == str(tmp_path)
-    assert core.runner.compiled_keys == [] and core.runner._compiled.skipped > 0
+    assert core.runner.compiled_keys == [] and core.runner.compiled_steps.skipped > 0
     assert not list(tmp_path.iterdir())
     eager = EngineCore(model, EngineConfig(max_sessions=2, compile=False), torch.device("cpu"))
-    assert not eager.runner.config.compile and eager.runner._compiled is None
+    assert not eager.runner.config.compile and eager.runner.compiled_steps is None
 
 
 def test_models_not_in_float32_run_eager(tmp_path):
     from cosystream.models import load_model
 
     runner = make_runner(load_model(precision="int8"), compile_cache_dir=str(tmp_path))
-    assert runner._compiled is None and not list(tmp_path.iterdir())
+    assert runner.compiled_steps is None and not list(tmp_path.iterdir())
 
 
 def test_the_cache_keeps_its_size_dropping_the_least_recently_used(monkeypatch, tmp_path):

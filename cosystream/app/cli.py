@@ -606,7 +606,7 @@ def compile_only(configs: list) -> int:
             print(f"engine {config.index or 0}: {core.device} steps through CUDA graphs, nothing to compile")
             continue
         for name, runner in zip(core.names, core.runners, strict=True):
-            steps = runner._compiled
+            steps = runner.compiled_steps
             if steps is None:
                 print(f"model {name}: runs eager (float32 models only, or no C++ compiler: see the log)")
                 continue

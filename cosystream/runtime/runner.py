@@ -23,7 +23,7 @@ import torch
 
 from cosystream.models.contract import FRAME_SAMPLES, StreamingModel
 from cosystream.runtime.buckets import FRAME_BUCKETS, batch_buckets
-from cosystream.runtime.compiled import COMPILE_BUDGET_S
+from cosystream.runtime.compiled import COMPILE_BUDGET_S, CompiledSteps
 from cosystream.runtime.slab import StateSlab
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,11 @@ class Runner:
     @property
     def max_rows(self) -> int:
         return self.batch_buckets[-1]
+
+    @property
+    def compiled_steps(self) -> CompiledSteps | None:
+        """What the start-up compiled, loaded and left eager (None: this runner does not compile)."""
+        return self._compiled
 
     @property
     def compiled_keys(self) -> list[tuple[int, int]]:
@@ -242,7 +247,7 @@ class Runner:
     def _compile_steps(self) -> None:
         from torch.export import Dim
 
-        from cosystream.runtime.compiled import CompiledSteps, compiler_missing, fingerprint
+        from cosystream.runtime.compiled import compiler_missing, fingerprint
 
         if not _float32(self.model):
             log.info("compiled CPU step: float32 models only (bfloat16 and int8 run eager)")
