@@ -35,7 +35,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 
 import torch
@@ -142,10 +142,11 @@ class CompiledSteps:
         key: Hashable,
         module: torch.nn.Module,
         args: tuple[torch.Tensor, ...],
-        dynamic_shapes: tuple | None = None,
+        dynamic_shapes: Callable[[], tuple] | None = None,
     ) -> bool:
         """Load ``key``'s package from the cache, or export ``module(*args)`` and compile it (while the
-        budget lasts). Replay calls it on these same ``args``. Returns whether ``key`` is now compiled."""
+        budget lasts; ``dynamic_shapes()`` gives the export's dynamic dimensions, asked only then). Replay
+        calls it on these same ``args``. Returns whether ``key`` is now compiled."""
         if self._frozen:
             raise RuntimeError(f"step compile after start-up (key {key!r}): every key is compiled at start-up")
         if key in self._loaders:
@@ -157,7 +158,7 @@ class CompiledSteps:
                 return False
             started = time.perf_counter()
             try:
-                self._compile(module, args, dynamic_shapes, path)
+                self._compile(module, args, dynamic_shapes() if dynamic_shapes else None, path)
             except Exception:
                 log.exception("compiling the step for %r failed: it and every key not cached run eager", key)
                 self._compiling = False

@@ -245,8 +245,6 @@ class Runner:
         self._graphs.freeze()
 
     def _compile_steps(self) -> None:
-        from torch.export import Dim
-
         from cosystream.runtime.compiled import compiler_missing, fingerprint
 
         if not _float32(self.model):
@@ -264,9 +262,16 @@ class Runner:
             self.config.compile_budget_s,
         )
         module = _StepModule(self)
-        # The slab's slot count is dynamic: one package serves every max_sessions.
-        slots_dim = Dim("slab_slots", min=2, max=1 << 24)
-        dynamic = (None, None, None, tuple({0: slots_dim} for _ in self.slab.tensors))
+
+        def dynamic() -> tuple:
+            """The slab's slot count is dynamic: one package serves every max_sessions. (Called only when a
+            key is compiled: ``Dim`` imports sympy, 0.27 s and ~475 modules, which a start from the cache or
+            with nothing cached never needs.)"""
+            from torch.export import Dim
+
+            slots_dim = Dim("slab_slots", min=2, max=1 << 24)
+            return (None, None, None, tuple({0: slots_dim} for _ in self.slab.tensors))
+
         # The live realtime shape (T=1) first, in case the budget runs out; small buckets before large.
         keys = sorted(
             ((b, t) for b in self.batch_buckets for t in self.config.frame_buckets), key=lambda k: k[::-1]
