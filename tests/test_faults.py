@@ -235,6 +235,58 @@ def test_an_engine_that_keeps_dying_ends_serve_saying_why():
         assert any("the engine process died 2 times within 60 s" in line for line in served.log), served.log
 
 
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # (a zombie has exited; who reaps it is not the server's)
+
+
+def test_sigkill_of_serve_leaves_no_process_behind():
+    """``serve`` SIGKILLed (the OOM killer, a lost node) with a stream open: its engine and frontends exit
+    too, within seconds; none is left orphaned holding memory or a device."""
+    with Served("--frontends", "2") as served:
+        served.wait(lambda: served.health() == SERVING, 60, "SERVING")
+        live = Client(served.stub(), session(talk(10.0)))
+        assert live.started.wait(30)
+        children = {name: pid for name, pid in served.pids().items() if pid != served.process.pid}
+        assert {"cs-engine", "cs-frontend-1"} <= set(children), children
+        os.kill(served.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_running(pid) for pid in children.values()):
+            time.sleep(0.1)
+        left = {name: pid for name, pid in children.items() if _running(pid)}
+        for pid in left.values():
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"still running 20 s after serve was killed: {left}"
+
+
+def test_a_burst_of_sigterms_stops_the_engine(tmp_path):
+    """An engine whose parent dies gets one SIGTERM per thread of the parent that it is handed to (Linux's
+    parent-death signal): it stops once, however many arrive, and never deadlocks in its own handler."""
+    from cosystream.engine.core import EngineConfig
+    from cosystream.engine.process import EngineProcessConfig, start_engine
+
+    config = EngineProcessConfig(
+        address=str(tmp_path / "engine.sock"), authkey=b"k" * 16, engine=EngineConfig(max_sessions=1), device="cpu"
+    )
+    handle = start_engine(config)
+    try:
+        assert handle.wait_ready(120)
+        for _ in range(2000):
+            try:
+                os.kill(handle.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        handle.process.join(15)
+        assert handle.process.exitcode == 0, "the engine did not stop after a burst of SIGTERMs"
+    finally:
+        if handle.process.is_alive():
+            handle.process.kill()
+            handle.process.join(5)
+
+
 def test_a_dead_frontend_is_respawned_and_counted_live():
     with Served("--frontends", "2") as served:
         served.wait(lambda: served.health() == SERVING, 60, "SERVING")

@@ -201,7 +201,15 @@ def engine_main(config: EngineProcessConfig, status: Connection) -> None:
     configure_logs(config.log_level, config.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def request_stop(*_) -> None:
+        # Once is enough, and a second SIGTERM must not run this again: Event.set() takes a lock that the
+        # interrupted first call may hold (a deadlocked engine, orphaned). They come in bursts: the kernel
+        # sends PR_SET_PDEATHSIG's signal each time the engine is handed to another of a dead parent's threads.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
     try:
         config, core, listener = prepare_engine(config)
     except Exception as err:
