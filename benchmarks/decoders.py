@@ -18,7 +18,10 @@ voices; the sentences come from Debian's fortune files, fetched with ``apt-get d
     PYTHONPATH=. .venv/bin/python -m benchmarks.decoders --espeak \\
         --set ast16=.cache/accuracy/asterisk-prompts-16k:odd --set ast8=.cache/accuracy/asterisk-prompts-8k:odd
 
-(the Asterisk prompts: ``python -m benchmarks.accuracy --prompts`` fetches them.)
+(the Asterisk prompts: ``python -m benchmarks.accuracy --prompts`` fetches them.) A search named
+``python@REV`` is the Python search as it was at git revision ``REV`` (its ``cosystream/decoding/beam.py``
+on this tree's lexicon, language model and settings), to measure a change to it side by side:
+``--searches python@HEAD~1,python``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +79,16 @@ def fetch_espeak_set(cache: Path) -> Path:
         (target / f"espeak-{i:03d}.txt").write_text(text + "\n")
     (target / "DONE").write_text("")
     return target
+
+
+def search_at(rev: str, decoder):
+    """The Python search as of git revision ``rev``, on ``decoder``'s vocabulary, lexicon, LM and config."""
+    path = "cosystream/decoding/beam.py"
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"_beam_at_{len(sys.modules)}")
+    sys.modules[module.__name__] = module  # (dataclasses look their module up)
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    return module.BeamCtcDecoder(decoder._vocab, decoder.lm, decoder.lexicon, decoder.config, decoder.frame_ms)
 
 
 def decode_eval(decoder, chunks) -> tuple[str, float]:
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     beam = dataclasses.replace(BeamConfig(), beam_size=args.beam_size, alpha=args.lm_weight, beta=args.word_bonus)
     searches = args.searches.split(",")
-    configs = {s: DecoderConfig("beam", beam=beam, search=s).resolve(args.model) for s in searches}
+    configs = {s: DecoderConfig("beam", beam=beam, search=s.split("@")[0]).resolve(args.model) for s in searches}
     model = load_model(args.model)
     runner = eval_runner(model, next(iter(configs.values())).top_k)
     factories = {}
@@ -136,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         factories[search] = DecoderFactory(config, model.vocabulary)
         print(f"{search}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     decoders = {search: factory() for search, factory in factories.items()}
+    for search in searches:
+        if "@" in search:
+            decoders[search] = search_at(search.split("@", 1)[1], decoders[search])
 
     rows = []
     for name, path, half in sets:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cosystream.app.cli import add_decoder_args
-from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder
+from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder, _lse
 from cosystream.decoding.config import DecoderConfig, DecoderFactory
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.decoding.lexicon import Lexicon
@@ -244,6 +244,25 @@ def test_streaming_pushes_equal_one_push(lm):
     offline = decode(BeamCtcDecoder(VOCAB, lm), pattern)
     for step in (1, 3, 16):
         assert decode(BeamCtcDecoder(VOCAB, lm), pattern, step=step) == offline
+
+
+def test_the_kept_totals_and_best_match_a_fresh_ranking_after_every_push(lm):
+    # Each prefix keeps lse(pb, pnb) from the end of its last frame and the search keeps its best; both must
+    # equal what recomputing from pb and pnb gives, through stepped frames and frames the blank skip carries
+    # (blanks at 0.995 >= blank_skip), with rivals so that several prefixes compete.
+    pattern = "__th_e__|_c_a_t__|_s_a_t___"
+    ids, lps = frames(pattern, sure=0.995, rivals={4: ("a", 0.3, 0.6), 10: ("b", 0.4, 0.5), 18: ("o", 0.3, 0.6)})
+    dec = BeamCtcDecoder(VOCAB, lm)
+    carried = 0
+    for t in range(len(ids)):
+        carried += bool(lps[t][ids[t] == 0].max(initial=-math.inf) >= math.log(dec.config.blank_skip))
+        dec.push(ids[t : t + 1], lps[t : t + 1], t)
+        for p in dec._beams.values():
+            assert p.tot == _lse(p.pb, p.pnb)
+        assert dec._best is max(dec._beams.values(), key=dec._rank)
+    assert carried >= 8 and len(dec._beams) > 1
+    dec.finalize()
+    assert dec.text == "the cat sat"
 
 
 def test_reset_starts_a_new_utterance_and_bad_input_is_refused(lm):

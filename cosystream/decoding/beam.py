@@ -49,7 +49,21 @@ class BeamConfig:
 
 
 class _Prefix:
-    __slots__ = ("ctx", "end", "last", "lm", "node", "partial", "pb", "pnb", "start", "text", "wlp", "words")
+    __slots__ = (
+        "ctx",
+        "end",
+        "last",
+        "lm",
+        "node",
+        "partial",
+        "pb",
+        "pnb",
+        "start",
+        "text",
+        "tot",
+        "wlp",
+        "words",
+    )
 
     def __init__(self, text, last, node, partial, ctx, lm, words, start, end, wlp):
         self.text = text  # committed words and the partial word's spelling, space separated
@@ -64,6 +78,7 @@ class _Prefix:
         self.wlp = wlp  # summed acoustic log-prob of the partial word's emissions
         self.pb = _NEG
         self.pnb = _NEG
+        self.tot = _NEG  # _lse(pb, pnb), kept up to date at the end of each frame (the next reads it per token)
 
     def copy(self) -> _Prefix:
         """The same prefix, with no probability yet (for the next frame)."""
@@ -114,9 +129,10 @@ class BeamCtcDecoder:
 
     def reset(self) -> None:
         root = _Prefix("", 0, self.lexicon.root, "", self.lm.start(), 0.0, (), 0, 0, 0.0)
-        root.pb = 0.0
+        root.pb = root.tot = 0.0
         self._beams: dict[str, _Prefix] = {"": root}
         self._best: _Prefix = root
+        self._best_text = ""  # the text of _best, made once per push (interims read it again)
         self._finished: list[Word] | None = None
 
     # ------------------------------------------------------------------ search
@@ -132,13 +148,14 @@ class BeamCtcDecoder:
         logprobs = np.asarray(logprobs, dtype=np.float32)
         if ids.ndim != 2 or logprobs.shape != ids.shape:
             raise ValueError(f"ids {ids.shape} and logprobs {logprobs.shape} must be equal [frames, K]")
-        if ids.size and (ids.min() < 0 or ids.max() >= len(self._vocab)):
+        rows = ids.tolist()  # Python lists: the search below reads every entry, numpy scalars cost more
+        if ids.size and (min(map(min, rows)) < 0 or max(map(max, rows)) >= len(self._vocab)):
             raise ValueError(f"token ids must be in [0, {len(self._vocab)})")
         before = self.text
         cfg = self.config
         skip = self._log_blank_skip
         keep = cfg.max_tokens
-        for t, (row_ids, row_lps) in enumerate(zip(ids.tolist(), logprobs.tolist(), strict=True)):
+        for t, (row_ids, row_lps) in enumerate(zip(rows, logprobs.tolist(), strict=True)):
             scores = dict(zip(row_ids, row_lps, strict=True))
             floor = row_lps[-1]
             blank = scores.get(0, floor)
@@ -149,14 +166,20 @@ class BeamCtcDecoder:
             tokens = [(k, lp) for k, lp in zip(row_ids[:keep], row_lps[:keep], strict=True) if k and lp >= cutoff]
             tokens.append((0, blank))  # every prefix survives through a blank
             self._step(first_frame + t, tokens)
-        self._best = max(self._beams.values(), key=self._rank)
+        self._best_text = self._text_of(self._best)
         return self.text != before
 
     def _carry(self, lp_blank: float, scores: dict[int, float], floor: float) -> None:
+        alpha = self.config.alpha
+        best, best_rank = None, -math.inf
         for p in self._beams.values():
-            total = _lse(p.pb, p.pnb)
-            p.pnb = p.pnb + scores.get(p.last, floor) if p.last else _NEG
-            p.pb = total + lp_blank
+            p.pnb = pnb = p.pnb + scores.get(p.last, floor) if p.last else _NEG
+            p.pb = pb = p.tot + lp_blank
+            p.tot = total = _lse(pb, pnb)
+            rank = total + p.lm + alpha * p.node[2]
+            if rank > best_rank:  # the first of equals, as max() picks
+                best, best_rank = p, rank
+        self._best = best
 
     def _rank(self, p: _Prefix) -> float:
         return _lse(p.pb, p.pnb) + p.lm + self.config.alpha * p.node[2]
@@ -168,13 +191,15 @@ class BeamCtcDecoder:
         nxt: dict[str, _Prefix] = {}
         for p in self._beams.values():
             text = p.text
-            total = _lse(p.pb, p.pnb)
+            total = p.tot
             for k, lp in tokens:
                 if k == 0 or (k == space and not p.partial):  # a break with no word in progress: a blank
                     q = nxt.get(text)
-                    if q is None:
+                    if q is None:  # a new prefix's first path is its probability: _lse(_NEG, x) == x
                         q = nxt[text] = p.copy()
-                    q.pb = _lse(q.pb, total + lp)
+                        q.pb = total + lp
+                    else:
+                        q.pb = _lse(q.pb, total + lp)
                 elif k == space:
                     if p.node[1] is None:
                         continue  # not a lexicon word
@@ -186,14 +211,17 @@ class BeamCtcDecoder:
                             lm_lp, ctx = self.lm.score(p.ctx, word)
                             lm = p.lm + cfg.alpha * lm_lp + cfg.beta
                             words = (*p.words, self._word(p, word))
-                            q = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, words, 0, 0, 0.0)
-                            nxt[key] = q
-                        q.pnb = _lse(q.pnb, total + lp)
+                            q = nxt[key] = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, words, 0, 0, 0.0)
+                            q.pnb = total + lp
+                        else:
+                            q.pnb = _lse(q.pnb, total + lp)
                 elif k == p.last:
                     q = nxt.get(text)  # a repeated token collapses
                     if q is None:
                         q = nxt[text] = p.copy()
-                    q.pnb = _lse(q.pnb, p.pnb + lp)
+                        q.pnb = p.pnb + lp
+                    else:
+                        q.pnb = _lse(q.pnb, p.pnb + lp)
                     child = p.node[0].get(k)
                     if child is not None and p.pb > _NEG:  # with a blank in between: a double letter
                         key = text + vocab[k]
@@ -212,7 +240,9 @@ class BeamCtcDecoder:
                                 p.wlp + lp,
                             )
                             nxt[key] = q
-                        q.pnb = _lse(q.pnb, p.pb + lp)
+                            q.pnb = p.pb + lp
+                        else:
+                            q.pnb = _lse(q.pnb, p.pb + lp)
                 else:
                     child = p.node[0].get(k)
                     if child is None:
@@ -225,10 +255,18 @@ class BeamCtcDecoder:
                         else:
                             partial, begin, wlp = vocab[k], frame, lp
                         q = nxt[key] = _Prefix(key, k, child, partial, p.ctx, p.lm, p.words, begin, frame + 1, wlp)
-                    q.pnb = _lse(q.pnb, total + lp)
-        ranked = heapq.nlargest(cfg.beam_size, ((self._rank(p), i, p) for i, p in enumerate(nxt.values())))
+                        q.pnb = total + lp
+                    else:
+                        q.pnb = _lse(q.pnb, total + lp)
+        alpha = cfg.alpha
+        scored = []
+        for i, q in enumerate(nxt.values()):
+            q.tot = total = _lse(q.pb, q.pnb)
+            scored.append((total + q.lm + alpha * q.node[2], i, q))  # self._rank(q)
+        ranked = heapq.nlargest(cfg.beam_size, scored)
         floor = ranked[0][0] - cfg.score_prune
         self._beams = {p.text: p for score, _, p in ranked if score >= floor}
+        self._best = ranked[0][2]  # what max(self._beams.values(), key=self._rank) picks: the first of the best
 
     # ------------------------------------------------------------------ results
 
@@ -270,9 +308,12 @@ class BeamCtcDecoder:
         """The best hypothesis so far (the word in progress included)."""
         if self._finished is not None:
             return " ".join(w.word for w in self._finished)
-        if self.lexicon.spelled or not self._best.partial:
-            return self._best.text.strip()
-        return " ".join(w.word for w in self.words())
+        return self._best_text
+
+    def _text_of(self, p: _Prefix) -> str:
+        if self.lexicon.spelled or not p.partial:
+            return p.text.strip()
+        return " ".join(w.word for w in self._words_of(p))
 
     def _guess_partial(self) -> bool:
         """Whether interims show a guess for the word in progress (not when they must only grow)."""
@@ -281,7 +322,9 @@ class BeamCtcDecoder:
     def words(self) -> list[Word]:
         if self._finished is not None:
             return list(self._finished)
-        p = self._best
+        return self._words_of(self._best)
+
+    def _words_of(self, p: _Prefix) -> list[Word]:
         return list((*p.words, self._partial_word(p))) if p.partial and self._guess_partial() else list(p.words)
 
     @property
