@@ -77,6 +77,24 @@ def test_vad_input_checks() -> None:
     assert isinstance(vad.is_speech(np.full(FRAME_SAMPLES, 3.0, dtype=np.float32)), bool)
 
 
+def test_decoded_pcm_and_g711_reach_webrtcvad_as_the_same_bytes_without_the_clip(speech_16k: np.ndarray) -> None:
+    # int16_levels skips the clip: for every int16 level (full scale both ways included), for G.711's, and
+    # for speech, the bytes webrtcvad reads and its decisions equal the clipping path's.
+    levels = np.arange(-32768, 32768, dtype=np.int32).astype("<i2").tobytes()
+    decoded = [PcmDecoder(AudioEncoding.LINEAR16).decode(levels)]
+    decoded += [PcmDecoder(e).decode(bytes(range(256)) * 5) for e in (AudioEncoding.MULAW, AudioEncoding.ALAW)]
+    whole = len(speech_16k) // FRAME_SAMPLES * FRAME_SAMPLES
+    pcm = np.round(speech_16k[:whole] * 32767).astype("<i2").tobytes()
+    decoded.append(PcmDecoder(AudioEncoding.LINEAR16).decode(pcm))
+    for aggressiveness in (0, 3):
+        clipping, direct = Vad(aggressiveness), Vad(aggressiveness, int16_levels=True)
+        for samples in decoded:
+            for frame in Framer().push(samples):
+                assert clipping.is_speech(frame) == direct.is_speech(frame)
+                assert clipping._pcm_bytes == direct._pcm_bytes
+    assert np.array_equal(np.frombuffer(direct._pcm_bytes, "<i2"), np.frombuffer(pcm, "<i2")[-FRAME_SAMPLES:])
+
+
 def test_pipeline_finds_one_utterance_in_padded_tts(speech_16k: np.ndarray) -> None:
     """Decode -> resample -> frame -> VAD -> endpointing over 1 s silence, speech, 1 s silence."""
     silence = np.zeros(16000, dtype=np.float32)

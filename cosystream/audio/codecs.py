@@ -83,7 +83,8 @@ def encode_alaw(x: np.ndarray) -> bytes:
 
 
 class PcmDecoder:
-    """Turns wire bytes into float32 mono samples in [-1, 1].
+    """Turns wire bytes into float32 mono samples in [-1, 1]: int16 levels / 32768, exactly (the VAD takes
+    them back to int16 without clipping).
 
     LINEAR16 is little-endian int16; chunk boundaries need not fall on sample boundaries
     (an odd trailing byte is carried into the next call). G.711 is one byte per sample,

@@ -99,6 +99,11 @@ class Resampler:
         else:
             self._fir_out = _StreamingFir(_lowpass_taps(SAMPLE_RATE_HZ, nyquist_hz, 0.25 * nyquist_hz))
 
+    @property
+    def resamples(self) -> bool:
+        """False at 16 kHz input, where :meth:`process` hands its input back."""
+        return self._soxr is not None
+
     def process(self, x: np.ndarray) -> np.ndarray:
         """Resample one chunk of float32 mono samples; returns what is ready now."""
         if self._soxr is None:

@@ -132,7 +132,8 @@ class Session:
         self._pcm = PcmDecoder(config.encoding)
         self._resampler = Resampler(config.sample_rate_hz)
         self._framer = Framer()
-        self._vad = Vad(config.endpointing.vad_aggressiveness)
+        # Decoded LINEAR16 and G.711 samples are int16 levels / 32768 until a resampler changes them.
+        self._vad = Vad(config.endpointing.vad_aggressiveness, int16_levels=not self._resampler.resamples)
         self._endpointer = Endpointer(config.endpointing)
         self._ring = FrameRing(max(1, self._endpointer.max_forward_frames))
         self._interim_backlog_frames = self._endpointer.max_forward_frames + 5
