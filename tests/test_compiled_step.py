@@ -51,10 +51,8 @@ def compiled_runner(model, tmp_path_factory):
     runner = make_runner(model, compile_cache_dir=cache)
     assert sorted(runner.compiled_keys) == sorted((b, t) for b in (1, 2, 4, 8) for t in FRAME_BUCKETS)
     assert runner.compiled_steps.compiled == 8
-    again = make_runner(model, compile_cache_dir=cache, compile_budget_s=0)
-    assert (
-        again.compiled_steps.loaded == 8 and again.compiled_steps.compiled == 0
-    )  # from the cache, no compiler run
+    again = make_runner(model, compile_cache_dir=cache, compile_budget_s=0).compiled_steps
+    assert again.loaded == 8 and again.compiled == 0  # from the cache, no compiler run
     return lambda **config: make_runner(model, compile_cache_dir=cache, **config)
 
 
