@@ -260,6 +260,13 @@ def test_failed_loads_leave_the_old_version_serving(tmp_path):
     undecodable = tmp_path / "phonemes-without-lm"
     shutil.copytree(DEFAULT_MODEL_DIR, undecodable)
     (undecodable / "lm.arpa.gz").unlink()  # phonemes need a language model to become words
+    no_weights = tmp_path / "no-weights"  # (it once served random weights, in place of the default model)
+    shutil.copytree(DEFAULT_MODEL_DIR, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    wrong_shapes = tmp_path / "wrong-shapes"
+    shutil.copytree(DEFAULT_MODEL_DIR, wrong_shapes)
+    weights = load_file(wrong_shapes / "model.safetensors")
+    save_file({**weights, "head.bias": torch.zeros(3)}, wrong_shapes / "model.safetensors")
     wrong_vocabulary = tmp_path / "vocabulary"
     shutil.copytree(DEFAULT_MODEL_DIR, wrong_vocabulary)
     (wrong_vocabulary / "vocabulary.json").write_text(json.dumps(["<blank>", "a"]))
@@ -269,6 +276,8 @@ def test_failed_loads_leave_the_old_version_serving(tmp_path):
         for path, code, says in [
             (tmp_path / "missing", grpc.StatusCode.FAILED_PRECONDITION, "no such directory"),
             (bad_weights, grpc.StatusCode.FAILED_PRECONDITION, "cannot load"),
+            (no_weights, grpc.StatusCode.FAILED_PRECONDITION, "model.safetensors: missing (no weights"),
+            (wrong_shapes, grpc.StatusCode.FAILED_PRECONDITION, "head.bias has shape (3,)"),
             (wrong_vocabulary, grpc.StatusCode.FAILED_PRECONDITION, "cannot load"),
             (undecodable, grpc.StatusCode.INVALID_ARGUMENT, "language model"),
         ]:
@@ -281,6 +290,7 @@ def test_failed_loads_leave_the_old_version_serving(tmp_path):
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         after = served.info()
         assert list(after.models) == list(before.models) and after.loaded_model_versions == 1
+        assert {r.model_version for r in results_of(served, DEFAULT)} == {before.models[0].version}
         # The CLI says why, and fails.
         done = admin_cli(served, "load", DEFAULT, str(bad_weights))
         assert done.returncode == 1 and "cannot load" in done.stderr and done.stdout == ""

@@ -7,9 +7,7 @@ the words; recognition quality is measured by the accuracy benchmark.
 from __future__ import annotations
 
 import gc
-import json
 import shutil
-import string
 import threading
 import time
 import weakref
@@ -129,10 +127,11 @@ def test_partials_then_final(stub):
 
 
 def letter_model(directory) -> str:
-    """The default model's network over letters, with seeded random weights (greedy-decodable, untrained)."""
-    (directory / "config.json").write_text((DEFAULT_MODEL_DIR / "config.json").read_text())
-    (directory / "vocabulary.json").write_text(json.dumps(["<blank>", " ", "'", *string.ascii_lowercase]))
-    return str(directory)
+    """The default model's network over letters, with seeded random weights (greedy-decodable, untrained),
+    saved with them (a directory without weights is refused)."""
+    from tests.test_models_multi import build_letter_model
+
+    return build_letter_model(directory)
 
 
 @pytest.mark.parametrize("decoding", ["beam-size-1", "greedy-letters"])

@@ -30,12 +30,17 @@ VOCABULARY_FILE = "vocabulary.json"
 WEIGHTS_FILE = "model.safetensors"
 LEXICON_FILE = "lexicon.tsv.gz"  # a phoneme model's pronunciations (cosystream.decoding reads it)
 VERSIONED_FILES = (CONFIG_FILE, VOCABULARY_FILE, WEIGHTS_FILE)
-UNTRAINED_SEED = 0
 RESERVED_NAMES = ("", "default")  # what a StreamingConfig sends for the default model
 # The precisions a model can be served at (``--precision``); the first is the default, the weights' own.
 PRECISIONS = ("float32", "bfloat16", "float16", "int8")
 
 _ARCHITECTURES = {"conv_ctc": (ConvCtcConfig, ConvCtcModel)}
+
+
+class ModelFileError(ValueError):
+    """A model directory that cannot be served as it is: a file missing, or weights that do not fit its
+    config. One line, naming the file (the admin service answers it as FAILED_PRECONDITION, ``serve`` exits
+    with it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,19 +80,27 @@ def model_name(path: str | Path | None) -> str:
 def model_sources(entries: Iterable[tuple[str | None, str | None]]) -> tuple[ModelSource, ...]:
     """``(name or None, directory or None)`` pairs -> the served models, the first the default. A missing name
     is the model's own (:func:`model_name`); no entry at all serves the embedded model. Raises ``ValueError``
-    (one line) for a reserved name or two models of one name."""
+    (one line) for a reserved name or two models of one name, :class:`ModelFileError` for a directory that
+    lacks one of its files (before any engine starts to load it)."""
     sources: list[ModelSource] = []
     for name, path in entries:
+        if path is not None:
+            check_files(path)
         if name is None:
-            # (A directory without a config is named after itself: loading it says what is wrong with it.)
-            readable = path is None or (Path(path) / CONFIG_FILE).is_file()
-            name = model_name(path) if readable else Path(path).name
+            name = model_name(path)
         if name in RESERVED_NAMES:
             raise ValueError(f"{name!r} cannot name a model: it asks for the default one")
         if any(source.name == name for source in sources):
             raise ValueError(f"two models are named {name!r}: name them with NAME=DIR")
         sources.append(ModelSource(name, path))
     return tuple(sources) or (ModelSource(model_name(None), None),)
+
+
+def check_files(path: str | Path) -> None:
+    """:class:`ModelFileError` unless the directory holds every file a model is made of (what ``load_model``
+    then checks of the weights needs them loaded)."""
+    for name in VERSIONED_FILES:
+        _required(Path(path), name, _WHY.get(name, ""))
 
 
 def content_version(path: str | Path | None) -> str:
@@ -143,29 +156,52 @@ def load_model(
     """Load a model directory (the embedded default when ``path`` is None), in eval mode on ``device``, at
     ``precision`` (one of ``PRECISIONS``; ``ValueError`` for one the device cannot run: ``check_precision``).
 
-    A directory without weights yields the architecture with seeded random weights (logged as a warning):
-    useful for engine tests and benchmarks, useless for recognition.
+    Every file is required: a directory without ``model.safetensors``, or whose tensors do not cover the
+    architecture's parameters exactly (a missing or unexpected name, a wrong shape), raises
+    :class:`ModelFileError`. (It once served seeded random weights instead: a model that answered every
+    session with garbage, and could replace the default model through the admin service.)
     """
     check_precision(precision, device)
     directory = Path(path) if path is not None else DEFAULT_MODEL_DIR
-    config_data = json.loads((directory / CONFIG_FILE).read_text())
-    config_data["vocabulary"] = json.loads((directory / VOCABULARY_FILE).read_text())
+    config_data = json.loads(_required(directory, CONFIG_FILE).read_text())
+    config_data["vocabulary"] = json.loads(_required(directory, VOCABULARY_FILE).read_text())
     architecture = config_data.get("architecture", "conv_ctc")
     if architecture not in _ARCHITECTURES:
         raise ValueError(f"{directory}: unknown architecture {architecture!r}; known: {sorted(_ARCHITECTURES)}")
     config_cls, model_cls = _ARCHITECTURES[architecture]
     config = config_cls.from_dict(config_data)
-    weights = directory / WEIGHTS_FILE
-    if weights.exists():
-        model = model_cls(config)
-        model.load_state_dict(load_file(weights), strict=True)
-    else:
-        log.warning("%s has no %s: using untrained weights (seed %d)", directory, WEIGHTS_FILE, UNTRAINED_SEED)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(UNTRAINED_SEED)
-            model = model_cls(config)
+    weights = _required(directory, WEIGHTS_FILE, _WHY[WEIGHTS_FILE])
+    tensors = load_file(weights)
+    model = model_cls(config)
+    _check_weights(weights, tensors, model.state_dict())
+    model.load_state_dict(tensors, strict=True)
     model = model.eval().requires_grad_(False)
     return set_precision(model.to(device), precision)
+
+
+_WHY = {WEIGHTS_FILE: "no weights: a model directory needs its trained weights"}
+
+
+def _required(directory: Path, name: str, why: str = "") -> Path:
+    """``directory / name``, or :class:`ModelFileError` naming it."""
+    file = directory / name
+    if not file.is_file():
+        raise ModelFileError(f"{file}: missing ({why or 'a model directory needs it'}; docs/MODELS.md)")
+    return file
+
+
+def _check_weights(weights: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """:class:`ModelFileError` (one line) unless ``tensors`` are exactly the names and shapes of ``expected``."""
+    problems = [f"missing {name}" for name in expected if name not in tensors]
+    problems += [f"unexpected {name}" for name in tensors if name not in expected]
+    problems += [
+        f"{name} has shape {tuple(tensors[name].shape)}, the config needs {tuple(tensor.shape)}"
+        for name, tensor in expected.items()
+        if name in tensors and tensors[name].shape != tensor.shape
+    ]
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ModelFileError(f"{weights}: the weights do not fit the model's config: {shown}")
 
 
 def save_model(model: ConvCtcModel, directory: str | Path) -> None:
