@@ -364,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a stream with no request for this long gets the final for what was heard, then DEADLINE_EXCEEDED",
     )
     serve.add_argument(
+        "--realtime-burst-s",
+        type=float,
+        default=None,
+        help="audio a REALTIME stream may send ahead of real time; past it its requests are read at real time "
+        "(backpressure, nothing dropped; default: 2; inf: unpaced)",
+    )
+    serve.add_argument(
         "--drain-grace-s",
         type=float,
         default=None,
@@ -688,7 +695,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             port=args.http_port,
         ),
         stream=StreamOptions(
-            **given(idle_timeout_s=args.idle_timeout_s),
+            **given(idle_timeout_s=args.idle_timeout_s, realtime_burst_s=args.realtime_burst_s),
             default_endpointing=endpointing,
             frontends=args.frontends,
             decoder=decoder,

@@ -39,7 +39,7 @@ from cosystream.server.engine_pool import EnginePool
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
-from cosystream.server.session import Session, SessionConfig
+from cosystream.server.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
@@ -61,12 +61,20 @@ class StreamOptions:
     max_in_flight_frames: int = 128
     # Responses queued for a client that does not read them, before its requests stop being read.
     max_queued_responses: int = DEFAULT_MAX_ITEMS
+    # A REALTIME stream's audio is read at most at real time plus this much ahead (inf: unpaced).
+    realtime_burst_s: float = REALTIME_BURST_S
     default_endpointing: EndpointingConfig = field(default_factory=EndpointingConfig)
     frontends: int = 1
     # The decoder asked for; the app resolve()s it against each model: ``decoders`` holds the result per model
     # name. A model not in ``decoders`` gets ``decoder`` resolved against its directory here.
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     decoders: tuple[tuple[str, DecoderConfig], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.realtime_burst_s >= 0:
+            raise ValueError(
+                f"realtime_burst_s must be >= 0 (inf: REALTIME audio unpaced), got {self.realtime_burst_s}"
+            )
 
 
 class ConfigError(ValueError):
@@ -194,6 +202,7 @@ class _Stream:
             output_delay_frames=model.output_delay_frames,
             model_name=model.name,
             model_version=model.version,
+            pacer=AudioPacer(servicer.options.realtime_burst_s) if config.priority == Priority.REALTIME else None,
         )
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
@@ -341,10 +350,20 @@ class _Stream:
                             await asyncio.sleep(0)  # other sessions run between the slices of a big chunk
                             if self.state != StreamState.STREAMING:
                                 return
-                        session.feed_audio(audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s)
+                        wait_s = session.feed_audio(
+                            audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s
+                        )
                         while session.backlog_frames > limit and self.state < StreamState.ENDED:
                             self.progress.clear()
                             await self.progress.wait()
+                        if wait_s > 0:
+                            # Ahead of real time past its burst: nothing more is read until the clock
+                            # catches up (flow control slows the sender; no audio is dropped). The wait
+                            # is the server's, not the client's idleness.
+                            await asyncio.sleep(wait_s)
+                            self.last_request_s = time.monotonic()
+                            if self.state != StreamState.STREAMING:
+                                return
                 elif kind == "control":
                     if request.control.type == pb.Control.FINALIZE:
                         session.finalize()
