@@ -1,6 +1,8 @@
-"""``cosystream transcribe FILE``: a WAV file through a running server, or through one started in-process.
+"""``cosystream transcribe FILE``: an audio file through a running server, or through one started in-process.
 
-Only the public API is used (``cosystream.v1``), the same way any client would.
+The file is decoded as ``POST /v1/audio/transcriptions`` decodes uploads (:mod:`cosystream.audio.files`: WAV,
+FLAC, OGG, MP3 at 8-48 kHz); the server is reached only through the public API (``cosystream.v1``), the same
+way any client would.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import sys
 import time
 import wave
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 
+from cosystream.audio.files import UndecodableAudio, open_audio
 from cosystream.v1 import client
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
@@ -29,6 +33,17 @@ def read_wav(path: str) -> tuple[np.ndarray, int]:
     Raises ``ValueError`` saying what is accepted."""
     audio, rate = client.read_wav(path)
     return (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype("<i2"), rate
+
+
+def read_audio(path: str) -> tuple[np.ndarray, int]:
+    """Mono int16 samples and the rate of an audio file in any format the server's uploads take. Raises
+    :class:`~cosystream.audio.files.UndecodableAudio` saying what is wrong with it."""
+    data = Path(path).read_bytes()
+    try:
+        audio = open_audio(data)
+        return audio.read(), audio.info.sample_rate_hz
+    except UndecodableAudio as err:
+        raise UndecodableAudio(f"{path}: {err}") from None
 
 
 def write_wav(path: str, samples: np.ndarray, rate: int) -> None:
@@ -70,7 +85,7 @@ def stream_file(
     connection: Connection | None = None,
 ):
     """Yield the server's responses for ``path`` (``connection``: TLS and token; default plaintext)."""
-    yield from stream_samples(address, *read_wav(path), realtime, interim, words, connection)
+    yield from stream_samples(address, *read_audio(path), realtime, interim, words, connection)
 
 
 def stream_samples(
@@ -109,7 +124,7 @@ def transcribe_command(
     server = None
     address = None if server_at is None else server_address(server_at)
     try:
-        samples, rate = read_wav(path)  # before an in-process engine is started for it: a bad file fails at once
+        samples, rate = read_audio(path)  # before an in-process engine is started for it: a bad file fails at once
         if address is None:
             from cosystream.app.local import LocalServer
 

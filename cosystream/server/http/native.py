@@ -40,12 +40,15 @@ class _Context:
 
     def __init__(self):
         self.session_id = ""
+        self.answered = asyncio.Event()  # the config was accepted (a session id) or the stream ended
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        self.answered.set()
         raise StreamEnded(code, details)
 
     async def send_initial_metadata(self, metadata) -> None:
         self.session_id = dict(metadata).get("cosystream-session-id", "")
+        self.answered.set()
 
 
 class NativeStream:
@@ -66,6 +69,13 @@ class NativeStream:
     @property
     def session_id(self) -> str:
         return self._context.session_id
+
+    async def accepted(self) -> bool:
+        """Wait until the servicer has accepted the stream (its config checked, the token's quota claimed) or
+        ended it; True if accepted. Lets a sender refuse before it spends work on audio (a refusal's status
+        comes out of :meth:`responses`, which must be being read)."""
+        await self._context.answered.wait()
+        return bool(self._context.session_id) and not self._closed
 
     async def send_audio(self, audio: bytes) -> None:
         if audio and not self._closed:
@@ -102,5 +112,6 @@ class NativeStream:
                 yield response
         finally:
             self._closed = True
+            self._context.answered.set()
             await native.aclose()
         raise StreamEnded(grpc.StatusCode.OK)

@@ -1,6 +1,7 @@
 """``POST /v1/audio/transcriptions`` in OpenAI's shape: a whole file transcribed as one BATCH session.
 
-The multipart form takes ``file`` (WAV at any rate; FLAC, OGG and MP3 through libsndfile), ``model``,
+The multipart form takes ``file`` (WAV, FLAC, OGG or MP3 at 8-48 kHz, up to ``--max-upload-audio-s`` long by
+its header; :mod:`cosystream.audio.files`), ``model``,
 ``language``, ``prompt`` (accepted and not used: there is no biasing yet), ``response_format`` (``json``,
 ``text``, ``srt``, ``vtt``, ``verbose_json``), ``timestamp_granularities[]`` (``segment``, ``word``;
 with ``verbose_json``), ``temperature`` (accepted, unused: decoding is deterministic) and ``stream``
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import BodyPartReader, web
 
-from cosystream.audio.files import DecodedAudio, UndecodableAudio, decode_file
+from cosystream.audio.files import AudioFile, AudioInfo, AudioTooLong, UndecodableAudio, open_audio
 from cosystream.engine.scheduler import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http.common import check_language, native_model, seconds
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("segment", "word")
-FEED_BYTES = 32_000
-"""Audio handed to the session per request (1 s of 16 kHz LINEAR16)."""
+FEED_FRAMES = 16_000
+"""Samples decoded and handed to the session per request (1 s at 16 kHz)."""
 FIELD_BYTES = 64 << 10
 """The longest form field other than the file."""
 
@@ -122,21 +123,26 @@ async def read_form(request: web.Request, max_file_bytes: int) -> Form:
 class Transcriber:
     """The handler of ``POST /v1/audio/transcriptions``."""
 
-    def __init__(self, servicer: CosyStreamServicer, max_file_bytes: int):
+    def __init__(self, servicer: CosyStreamServicer, max_file_bytes: int, max_audio_s: float):
         self.servicer = servicer
         self.max_file_bytes = max_file_bytes
+        self.max_audio_s = max_audio_s
 
     async def handle(self, request: web.Request, token: Token | None) -> web.StreamResponse:
+        """The file's header is checked (rate, length) before anything is decoded, and the session is
+        admitted (the token's quota, the engine's room) before the audio is: then it is decoded a second
+        at a time into the session, so memory stays flat whatever the file claims."""
         form = await read_form(request, self.max_file_bytes)
         model = native_model(self.servicer, form.model)
         language = check_language(self.servicer, form.language)
         try:
-            audio = await asyncio.get_running_loop().run_in_executor(None, decode_file, form.file)
+            audio = await asyncio.get_running_loop().run_in_executor(None, open_audio, form.file, self.max_audio_s)
         except UndecodableAudio as err:
-            raise ApiError(400, f"{form.filename or 'file'}: {err}", "invalid_audio", "file") from None
+            code = "audio_too_long" if isinstance(err, AudioTooLong) else "invalid_audio"
+            raise ApiError(400, f"{form.filename or 'file'}: {err}", code, "file") from None
         config = pb.StreamingConfig(
             encoding=pb.LINEAR16,
-            sample_rate_hz=audio.sample_rate_hz,
+            sample_rate_hz=audio.info.sample_rate_hz,
             priority=Priority.BATCH,
             model=model,
             enable_word_time_offsets=True,
@@ -145,15 +151,17 @@ class Transcriber:
         feeder = asyncio.get_running_loop().create_task(_feed(stream, audio))
         try:
             if form.stream:
-                return await self._stream_events(request, stream, audio)
-            finals = [result async for result in _finals(stream)]
+                return await self._stream_events(request, stream, audio.info, feeder)
+            finals = [result async for result in _finals(stream, feeder)]
         finally:
             feeder.cancel()
-        return render(form, finals, audio, language)
+        return render(form, finals, audio.info, language)
 
-    async def _stream_events(self, request: web.Request, stream: NativeStream, audio: DecodedAudio):
+    async def _stream_events(
+        self, request: web.Request, stream: NativeStream, audio: AudioInfo, feeder: asyncio.Task
+    ) -> web.StreamResponse:
         """Server-sent events: a delta per utterance's final, then the whole text."""
-        results = _finals(stream)
+        results = _finals(stream, feeder)
         try:
             first = await anext(results)  # errors before the first event are HTTP errors
         except StopAsyncIteration:
@@ -190,15 +198,23 @@ class Transcriber:
         return response
 
 
-async def _feed(stream: NativeStream, audio: DecodedAudio) -> None:
-    pcm = audio.pcm16()
-    for offset in range(0, len(pcm), FEED_BYTES):
-        await stream.send_audio(pcm[offset : offset + FEED_BYTES])
-    stream.half_close()
+async def _feed(stream: NativeStream, audio: AudioFile) -> None:
+    """Decode the file a block at a time into the stream, once the stream is admitted. A block that does not
+    decode ends the stream there and the feed with :class:`UndecodableAudio` (:func:`_finals` raises it)."""
+    if not await stream.accepted():
+        return
+    loop = asyncio.get_running_loop()
+    blocks = audio.blocks(FEED_FRAMES)
+    try:
+        while (block := await loop.run_in_executor(None, next, blocks, None)) is not None:
+            await stream.send_audio(block.astype("<i2", copy=False).tobytes())
+    finally:
+        stream.half_close()
 
 
-async def _finals(stream: NativeStream):
-    """The stream's final results in order; raises :class:`ApiError` if it ends with another status than OK."""
+async def _finals(stream: NativeStream, feeder: asyncio.Task):
+    """The stream's final results in order; raises :class:`ApiError` if it ends with another status than OK,
+    or if the feeder found the file damaged part-way."""
     try:
         async for response in stream.responses():
             for result in response.results:
@@ -207,13 +223,17 @@ async def _finals(stream: NativeStream):
     except StreamEnded as ended:
         if ended.code.name != "OK":
             raise from_status(ended.code, ended.message) from None
+    if feeder.done() and not feeder.cancelled() and (err := feeder.exception()) is not None:
+        if isinstance(err, UndecodableAudio):
+            raise ApiError(400, f"file: {err}", "invalid_audio", "file") from None
+        raise err
 
 
-def _usage(audio: DecodedAudio) -> dict:
+def _usage(audio: AudioInfo) -> dict:
     return {"type": "duration", "seconds": math.ceil(audio.duration_s)}
 
 
-def render(form: Form, finals: list[pb.StreamingResult], audio: DecodedAudio, language: str) -> web.Response:
+def render(form: Form, finals: list[pb.StreamingResult], audio: AudioInfo, language: str) -> web.Response:
     spoken = [result for result in finals if result.transcript]
     text = " ".join(result.transcript for result in spoken)
     if form.response_format == "text":
