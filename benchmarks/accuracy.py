@@ -51,6 +51,7 @@ import numpy as np
 from cosystream.app.evaluate import edit_distance, evaluate, load_set, normalize, set_files, telephone
 from cosystream.app.transcribe import write_wav
 from cosystream.decoding.config import DecoderConfig
+from cosystream.v1.client import HelpFormatter
 
 POCKETSPHINX_SDIST = "pocketsphinx==5.1.1"
 PYAV_WHEEL = "av==18.1.0"
@@ -231,7 +232,7 @@ def pocketsphinx_scores(test_set: Path, telephone_band: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("sets", nargs="*", help="test sets (directories or manifests)")
     parser.add_argument("--real", action="store_true", help="add pocketsphinx's human recordings")
     parser.add_argument("--prompts", action="store_true", help="add the Asterisk voice prompts (16 and 8 kHz)")

@@ -22,6 +22,7 @@ import time
 import urllib.request
 
 from benchmarks._harness import Server, dump, p, probe_cpu, server_seconds
+from cosystream.v1.client import HelpFormatter
 
 CONFIGS = ("heavy", "light", "adaptive")
 
@@ -113,7 +114,7 @@ def run_one(config: str, count: int, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--heavy", default="embedded:default", help="the HEAVY model (serve --model)")
     parser.add_argument("--light", default="embedded:light", help="the LIGHT model")
     parser.add_argument(

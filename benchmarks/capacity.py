@@ -22,6 +22,7 @@ import math
 import sys
 
 from benchmarks._harness import Server, dump, p, probe_cpu, server_seconds
+from cosystream.v1.client import HelpFormatter
 
 DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": [2, 4, 6, 8, 10, 12, 16, 20, 30]}
 P99_LIMIT_MS = 20.0
@@ -144,7 +145,7 @@ def decoder_spec(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["engine", "naive"], choices=["engine", "naive"])
     parser.add_argument("--chunk-ms", type=int, nargs="+", default=[10, 20])
     parser.add_argument("--counts", type=int, nargs="+", default=None, help="stream counts to try (ascending)")

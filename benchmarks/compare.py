@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cosystream.v1.client import HelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -95,7 +97,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, capacity_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--ref", required=True, help="the reference revision (a git worktree is made of it)")
     parser.add_argument("--new", default=None, help="the new revision (default: this checkout as it is)")
     parser.add_argument("--rounds", type=int, default=2)

@@ -27,6 +27,7 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 
 from cosystream.engine import ipc
+from cosystream.v1.client import HelpFormatter
 
 SESSIONS = (1, 16, 64, 256)
 
@@ -137,7 +138,7 @@ def bench_zmq(iterations: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--iterations", type=int, default=500)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -13,10 +13,11 @@ import argparse
 import sys
 
 from benchmarks._harness import Server, dump, p, probe
+from cosystream.v1.client import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--realtime", type=int, default=40)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--chunk-ms", type=int, default=10)

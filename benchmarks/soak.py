@@ -30,6 +30,7 @@ from benchmarks._harness import Server, _children, dump
 from clients.latency_probe import load_wavs, synthesize
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import HelpFormatter
 
 CHUNK_MS = 20
 
@@ -112,7 +113,7 @@ async def run_workers(address: str, audio: bytes, streams: int, seconds: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--streams", type=int, default=24)
     parser.add_argument("--frontends", type=int, default=2)

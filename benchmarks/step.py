@@ -30,6 +30,7 @@ from cosystream.models import FRAME_SAMPLES, load_model
 from cosystream.models.loading import PRECISIONS
 from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
 from cosystream.runtime.slab import StateSlab
+from cosystream.v1.client import HelpFormatter
 
 
 def sync(device: torch.device) -> None:
@@ -236,7 +237,7 @@ def print_precisions(rows: list[dict], device: str, threads: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the engine uses 1)")
     parser.add_argument("--max-batch", type=int, default=1024)

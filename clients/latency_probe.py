@@ -39,6 +39,8 @@ import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosystream.v1.client import HelpFormatter
+
 try:
     import grpc
     import numpy as np
@@ -467,12 +469,12 @@ def plot(result: dict, stats: list[SessionStats], path: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--server", default="localhost:50051", type=server_address, help="host[:port]")
     parser.add_argument("--realtime", type=int, default=10, help="REALTIME sessions")
     parser.add_argument("--batch", type=int, default=0, help="BATCH sessions (sent as fast as allowed)")
-    parser.add_argument("--chunk-ms", type=int, default=10, help="realtime chunk size (10; 20 for telephony)")
-    parser.add_argument("--batch-chunk-ms", type=int, default=100)
+    parser.add_argument("--chunk-ms", type=int, default=10, help="realtime chunk size (20 for telephony)")
+    parser.add_argument("--batch-chunk-ms", type=int, default=100, help="BATCH chunk size")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of audio per realtime session")
     parser.add_argument("--ramp-s", type=float, default=1.0, help="spread session starts over this long")
     parser.add_argument(
@@ -481,8 +483,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="realtime streams send FINALIZE this long after each sentence ends (measures finalize_ms)",
     )
-    parser.add_argument("--encoding", choices=["LINEAR16", "MULAW"], default="LINEAR16")
-    parser.add_argument("--rate", type=int, default=16000)
+    parser.add_argument(
+        "--encoding", choices=["LINEAR16", "MULAW"], default="LINEAR16", help="the audio's encoding"
+    )
+    parser.add_argument("--rate", type=int, default=16000, help="the audio's sample rate, Hz")
     parser.add_argument("--wav", nargs="*", help="WAV files to stream (default: synthesized speech)")
     parser.add_argument("--channels", type=int, default=4, help="gRPC channels (connections) to spread over")
     parser.add_argument(

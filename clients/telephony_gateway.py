@@ -22,6 +22,8 @@ import signal
 import sys
 from pathlib import Path
 
+from cosystream.v1.client import HelpFormatter
+
 if __package__ in (None, ""):  # run as a script: make `clients` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -37,7 +39,7 @@ except ModuleNotFoundError as err:  # not the Python cosystream is installed in:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--server",
         default="localhost:50051",

@@ -21,7 +21,7 @@ from cosystream.engine.adaptive import ADAPTIVE_HIGH, ADAPTIVE_LOW
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
 from cosystream.logs import LEVELS as LOG_LEVELS
 from cosystream.logs import configure as configure_logs
-from cosystream.v1.client import add_connection_args, connection_from_args
+from cosystream.v1.client import HelpFormatter, add_connection_args, connection_from_args
 
 log = logging.getLogger("cosystream")
 
@@ -224,20 +224,35 @@ def log_settings(args: argparse.Namespace) -> tuple[str, str]:
     return level.upper(), fmt
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every command's parser (the subcommands' too: argparse makes them of the top parser's class) shows the
+    flags' defaults in its help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cosystream", description="A real-time streaming speech engine.")
+    parser = _Parser(prog="cosystream", description="A real-time streaming speech engine.")
     parser.add_argument("--version", action="version", version=f"cosystream {__version__}")
     add_log_args(parser, default=None)
     # The same flags after the command name too (`cosystream transcribe FILE --log-level info`); given there,
     # they win over the ones before it.
-    after_command = argparse.ArgumentParser(add_help=False)
+    after_command = _Parser(add_help=False)
     add_log_args(after_command, default=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the gRPC server", parents=[after_command])
+    serve = commands.add_parser(
+        "serve",
+        help="run the server: the gRPC API, the HTTP APIs and captioning page, Prometheus metrics",
+        parents=[after_command],
+    )
     serve.add_argument("--host", default=None, help="address to listen on (default: every interface)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default: 50051)")
-    serve.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics; 0 disables")
+    serve.add_argument(
+        "--metrics-port", type=int, default=9090, help="Prometheus /metrics on --metrics-host; 0 disables"
+    )
     serve.add_argument(
         "--http-port",
         type=int,
@@ -249,6 +264,38 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="largest file POST /v1/audio/transcriptions takes (default: 25)",
+    )
+    serve.add_argument(
+        "--http-idle-timeout-s",
+        type=float,
+        default=None,
+        help="close an HTTP connection that sends no request for this long, before its first or kept alive "
+        "(default: 30)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="without --auth-tokens, browser pages of these origins (comma-separated, '*': any) may use the HTTP "
+        "port besides its own (default: none)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="without --auth-tokens, Host names the HTTP port answers besides localhost, this machine's name, "
+        "--host and IP addresses (comma-separated, '*': any; default: none)",
+    )
+    serve.add_argument(
+        "--max-upload-audio-s",
+        type=float,
+        default=None,
+        help="longest audio POST /v1/audio/transcriptions takes, by the file's header, refused before decoding "
+        "(default: 3600)",
+    )
+    serve.add_argument(
+        "--ws-idle-timeout-s",
+        type=float,
+        default=None,
+        help="a Realtime WebSocket that sends no event for this long gets an error event, then is closed (default: 60)",
     )
     serve.add_argument(
         "--metrics-host",
@@ -267,7 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine processes on --device (each with its own slots: --max-sessions is per engine); new "
         "sessions go to the least-loaded one, and one that fails ends only its own sessions",
     )
-    serve.add_argument("--max-sessions", type=int, default=MAX_SESSIONS)
+    serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=MAX_SESSIONS,
+        help="engine slots: the streams one engine serves at once (one more gets RESOURCE_EXHAUSTED); its state "
+        "memory is allocated at start-up",
+    )
     serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
     serve.add_argument(
         "--model",
@@ -310,7 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"the projected load at or below which --adaptive returns to HEAVY (default: {ADAPTIVE_LOW})",
     )
-    serve.add_argument("--frontends", type=int, default=default_frontends())
+    serve.add_argument(
+        "--frontends",
+        type=int,
+        default=None,
+        help="frontend processes sharing the ports (gRPC, HTTP, decoding, VAD) (default: the cores less one, "
+        f"1 to 8: {default_frontends()} here)",
+    )
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
     compiling = serve.add_mutually_exclusive_group()
     compiling.add_argument(
@@ -361,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout-s",
         type=float,
         default=None,
-        help="a stream with no request for this long gets the final for what was heard, then DEADLINE_EXCEEDED",
+        help="a stream with no request for this long gets the final for what was heard, then DEADLINE_EXCEEDED "
+        "(default: 30)",
     )
     serve.add_argument(
         "--realtime-burst-s",
@@ -381,11 +441,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-failures",
         type=int,
         default=None,
-        help="the engine or a frontend dying this many times within --restart-window-s ends serve (exit 1)",
+        help="the engine or a frontend dying this many times within --restart-window-s ends serve (exit 1) "
+        "(default: 5)",
     )
-    serve.add_argument("--restart-window-s", type=float, default=None)
-    serve.add_argument("--silence-ms", type=int, default=None, help="default end-of-utterance silence")
-    serve.add_argument("--max-utterance-ms", type=int, default=None)
+    serve.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=None,
+        help="the window --max-failures counts in; a process is restarted with backoff (default: 60)",
+    )
+    serve.add_argument(
+        "--silence-ms",
+        type=int,
+        default=None,
+        help="the pause that ends an utterance, for streams that do not set endpointing.silence_ms (default: 500)",
+    )
+    serve.add_argument(
+        "--max-utterance-ms",
+        type=int,
+        default=None,
+        help="an utterance this long is ended (its final sent) and the next begins, for streams that do not "
+        "set endpointing.max_utterance_ms (default: 15000)",
+    )
     serve.add_argument(
         "--naive",
         action="store_true",
@@ -405,9 +482,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="require a token on every call but health: lines of 'NAME TOKEN|sha256:HEX [max_sessions=N] "
         "[priorities=REALTIME,BATCH] [admin]'; re-read on SIGHUP and on change",
     )
+    security.add_argument(
+        "--admin",
+        action="store_true",
+        help="without --auth-tokens: serve the Admin service (model loads) to anyone who reaches the port "
+        "(default: off; with --auth-tokens it is on, for admin tokens only)",
+    )
     add_decoder_args(serve)
 
-    transcribe = commands.add_parser("transcribe", help="transcribe a WAV file", parents=[after_command])
+    transcribe = commands.add_parser(
+        "transcribe", help="transcribe an audio file (WAV, FLAC, OGG or MP3)", parents=[after_command]
+    )
     transcribe.add_argument("file")
     transcribe.add_argument("--server", default=None, help="host:port of a running server (default: in-process)")
     transcribe.add_argument("--realtime", action="store_true", help="pace the audio at real time (REALTIME)")
@@ -589,6 +674,8 @@ def security_config(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.frontends is None:
+        args.frontends = default_frontends()
     if args.frontends < 1:
         sys.exit("--frontends must be >= 1")
     try:
@@ -685,12 +772,18 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
         tls=tls,
         auth_tokens=auth_tokens,
+        admin=args.admin,
         http=None
         if not args.http_port
         else HttpConfig(
             **given(
                 host=args.host,
                 max_upload_bytes=None if args.max_upload_mb is None else int(args.max_upload_mb * 1e6),
+                idle_timeout_s=args.http_idle_timeout_s,
+                allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins.split(",")),
+                allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts.split(",")),
+                max_upload_audio_s=args.max_upload_audio_s,
+                ws_idle_timeout_s=args.ws_idle_timeout_s,
             ),
             port=args.http_port,
         ),

@@ -4,6 +4,7 @@
 token, as one object that makes the channel; ``add_connection_args`` / ``connection_from_args``: the same
 flags in every client (``--tls``, ``--ca-cert``, ``--token`` or ``COSYSTREAM_TOKEN``, ...);
 ``describe_error``: a failed call as one line that says what to do about TLS and token refusals.
+``HelpFormatter``: every command's ``--help`` shows each flag's default.
 ``read_wav``: the WAV files a client may stream (PCM, float, mu-law, A-law), with errors that say what is
 accepted. ``encode_mulaw``: samples as G.711 mu-law. ``StreamStatus``: the status a stream really ended with.
 
@@ -125,6 +126,17 @@ def _is_local(target: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter without its noise: a flag's help ends with ``(default: X)`` unless the
+    help states its default itself, or there is none to show (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == []:
+            return text
+        return super()._get_help_string(action)
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
