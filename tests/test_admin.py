@@ -187,7 +187,7 @@ class Speaker:
 @needs_espeak
 def test_a_hot_swap_under_twenty_realtime_sessions(v2_dir):
     audio = encode(np.concatenate([part for s in SENTENCES for part in (speech(s), silence(0.9))]), "LINEAR16")
-    with Served("--frontends", "1", "--max-sessions", str(SESSIONS + 4)) as served:
+    with Served("--admin", "--frontends", "1", "--max-sessions", str(SESSIONS + 4)) as served:
         v1 = content_version(None)
         v2 = content_version(v2_dir)
         assert v1 != v2 and served.info().loaded_model_versions == 1
@@ -270,7 +270,7 @@ def test_failed_loads_leave_the_old_version_serving(tmp_path):
     wrong_vocabulary = tmp_path / "vocabulary"
     shutil.copytree(DEFAULT_MODEL_DIR, wrong_vocabulary)
     (wrong_vocabulary / "vocabulary.json").write_text(json.dumps(["<blank>", "a"]))
-    with Served("--frontends", "1") as served:
+    with Served("--admin", "--frontends", "1") as served:
         before = served.info()
         stub = pb_grpc.AdminStub(grpc.insecure_channel(served.address))
         for path, code, says in [
@@ -299,7 +299,7 @@ def test_failed_loads_leave_the_old_version_serving(tmp_path):
 def test_a_new_name_is_added_then_unloaded(v2_dir):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    with Served("--frontends", "1") as served:
+    with Served("--admin", "--frontends", "1") as served:
         with grpc.insecure_channel(served.address) as channel:
             assert "cosystream.v1.Admin" in ProtoReflectionDescriptorDatabase(channel).get_services()
         done = admin_cli(served, "load", "v2", v2_dir)
@@ -334,6 +334,29 @@ def results_of(served: Served, model: str) -> list[pb.StreamingResult]:
     return [r for response in responses for r in response.results if r.is_final]
 
 
+def test_without_admin_or_tokens_the_admin_service_is_off(v2_dir):
+    """A server without tokens and without ``--admin``: every Admin call is refused, saying how to turn it
+    on, and nothing is loaded; reflection does not list the service."""
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with Served("--frontends", "1") as served:
+        with grpc.insecure_channel(served.address) as channel:
+            assert "cosystream.v1.Admin" not in ProtoReflectionDescriptorDatabase(channel).get_services()
+            stub = pb_grpc.AdminStub(channel)
+            for call, request in [
+                (stub.LoadModel, pb.LoadModelRequest(name=DEFAULT, path=v2_dir)),
+                (stub.UnloadModel, pb.UnloadModelRequest(name=DEFAULT)),
+            ]:
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(request, timeout=30)
+                assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "--admin" in caught.value.details()
+        refused = admin_cli(served, "load", "v2", v2_dir)
+        assert refused.returncode == 1 and "--admin" in refused.stderr, refused.stderr
+        assert [m.name for m in served.info().models] == [DEFAULT] and served.info().loaded_model_versions == 1
+        assert "admin service off" in "".join(served.log)
+
+
 def test_admin_calls_need_an_admin_token(tmp_path, v2_dir):
     tokens = tmp_path / "tokens"
     tokens.write_text("ops ops-secret-0123456789abcdef admin\nuser user-secret-0123456789abcdef\n")
@@ -364,7 +387,7 @@ def test_admin_calls_need_an_admin_token(tmp_path, v2_dir):
 def test_a_load_at_a_precision_reaches_every_engine(v2_dir):
     """``admin load --precision`` serves the model at that precision on each engine of the server (a new
     version of it keeps it); a precision the device cannot run is refused, naming the engine."""
-    with Served("--frontends", "1", "--engines", "2") as served:
+    with Served("--admin", "--frontends", "1", "--engines", "2") as served:
         done = admin_cli(served, "load", "v2", v2_dir, "--precision", "int8")
         assert done.returncode == 0, done.stderr
         assert {m.name: m.precision for m in served.info().models} == {DEFAULT: "float32", "v2": "int8"}

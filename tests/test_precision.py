@@ -179,7 +179,7 @@ def test_serving_a_bfloat16_model_transcribes_a_sentence(tmp_path):
     decoding = DecoderConfig().resolve(None)
     decoder = DecoderFactory(decoding, model.vocabulary)()
     assert sentence == offline_text(model, decoder, decoding.top_k, audio)
-    with Served("--frontends", "1", "--device", "cpu", "--precision", "bfloat16") as served:
+    with Served("--admin", "--frontends", "1", "--device", "cpu", "--precision", "bfloat16") as served:
         info = served.info()
         assert [m.precision for m in info.models] == ["bfloat16"]
         assert transcribe(served.stub(), audio) == sentence

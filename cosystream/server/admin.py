@@ -4,6 +4,10 @@
 version of a served name, or a new name); ``UnloadModel`` stops serving one. When the server checks tokens,
 each call needs a token with the ``admin`` option (``auth.py``); the interceptor has already refused a call
 without a known token.
+
+Without tokens the service is off unless ``serve --admin`` turns it on: a port open to anyone must not let
+anyone replace the model it serves. Off, :class:`AdminOff` answers every call PERMISSION_DENIED, saying how
+to turn it on, and touches nothing else (:func:`add_admin_service` picks which).
 """
 
 from __future__ import annotations
@@ -96,3 +100,35 @@ class AdminServicer(pb_grpc.AdminServicer):
         except ModelLoadError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return pb.UnloadModelResponse()
+
+
+ADMIN_OFF = (
+    "the Admin service is off: start serve with --admin (anyone who reaches the port may then load models), "
+    "or with --auth-tokens and call it with an admin token"
+)
+
+
+class AdminOff(pb_grpc.AdminServicer):
+    """The Admin service of a server without tokens and without ``--admin``: every call refused."""
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context) -> pb.LoadModelResponse:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, ADMIN_OFF)
+
+    async def UnloadModel(self, request: pb.UnloadModelRequest, context) -> pb.UnloadModelResponse:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, ADMIN_OFF)
+
+
+def add_admin_service(servicer: CosyStreamServicer, server, enabled: bool, tokens: bool) -> tuple[str, ...]:
+    """Register the Admin service on ``server``: the real one when ``enabled`` (``serve --admin``) or with
+    ``tokens`` (then an admin token is needed), else :class:`AdminOff`. Returns the names reflection lists
+    (none when off). Logs which, once per frontend."""
+    if not (enabled or tokens):
+        pb_grpc.add_AdminServicer_to_server(AdminOff(), server)
+        log.info("admin service off (serve --admin, or --auth-tokens with an admin token, turns it on)")
+        return ()
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(servicer), server)
+    log.info(
+        "admin service on: %s",
+        "admin tokens only" if tokens else "open to anyone who reaches the port (--admin, no tokens)",
+    )
+    return (ADMIN_SERVICE_NAME,)

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosystream.metrics import FrontendMetrics
-from cosystream.server.admin import ADMIN_SERVICE_NAME, AdminServicer
+from cosystream.server.admin import add_admin_service
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
 from cosystream.server.engine_client import Engine, EngineClient
@@ -54,6 +54,7 @@ class FrontendConfig:
     tls: TlsConfig | None = None  # None: plaintext (serve --tls-cert, --tls-key, --tls-client-ca)
     auth_tokens: str | None = None  # a tokens file; None: no authentication (serve --auth-tokens)
     http: HttpConfig | None = None  # the HTTP port (OpenAI-shaped APIs, the page); None: off (serve --http-port)
+    admin: bool = False  # the Admin service without tokens (serve --admin); with tokens it is on, for admin tokens
 
 
 class Frontend:
@@ -137,13 +138,13 @@ class Frontend:
         ]
         self.server = grpc.aio.server(options=options, interceptors=self._interceptors())
         pb_grpc.add_CosyStreamServicer_to_server(self.servicer, self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(self.servicer), self.server)
+        admin_services = add_admin_service(self.servicer, self.server, self.config.admin, self.tokens is not None)
         compat_services = add_compat_services(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
-                ADMIN_SERVICE_NAME,
+                *admin_services,
                 *compat_services,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
