@@ -20,8 +20,8 @@ logged = mkdir -p $(LOGS); echo "$(1) (log: $(2))"; echo "=== $$(date -Is) $(1)"
 PIP_FLAGS := --progress-bar off --no-input
 
 serve: install
-	@echo "cosystream serve (Ctrl-C stops it); in another terminal: . $(VENV)/bin/activate, then e.g." \
-	  "cosystream transcribe FILE.wav --server localhost:50051 (README.md)"
+	@echo "cosystream serve $(ARGS) (Ctrl-C stops it); once ready it prints the command to try, with its" \
+	  "real port, for another terminal after . $(VENV)/bin/activate (README.md)"
 	@$(VENV)/bin/cosystream serve $(ARGS)
 
 test: install-dev system-deps

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from cosystream.app.banner import startup_lines
 from cosystream.engine.process import (
     EngineHandle,
     EngineProcessConfig,
@@ -270,16 +271,9 @@ class Supervisor:
         self.frontend_config = replace(self.frontend_config, port=port, http=http)
         for index in range(1, self.frontends):
             self._spawn_frontend(index)
-        if self.metrics_port:
-            log.info("metrics on :%d/metrics", self.metrics_port)
         log.info("cosystream serving on port %d with %d frontend(s)", port, self.frontends)
-        if http is not None:
-            log.info(
-                "HTTP API and captioning page on http%s://%s:%d/",
-                "s" if self.frontend_config.tls else "",
-                http.host,
-                http.port,
-            )
+        for line in startup_lines(self.frontend_config, port, self.metrics_host, self.metrics_port):
+            log.info("%s", line)
         try:
             await self._watch(stop)
         finally:
