@@ -263,7 +263,7 @@ class HttpServer:
             protocols=(protocol,) if protocol else (), max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0
         )
         await ws.prepare(request)
-        connection = RealtimeConnection(self.servicer, ws, token, beta)
+        connection = RealtimeConnection(self.servicer, ws, token, beta, self.config.ws_idle_timeout_s)
         self.connections.add(connection)
         self.servicer.metrics.websocket(opened=True)
         started = time.monotonic()

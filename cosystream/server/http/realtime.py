@@ -40,6 +40,7 @@ from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS
 from cosystream.server.auth import Token
+from cosystream.server.http import HttpConfig
 from cosystream.server.http.common import check_language, native_model, seconds
 from cosystream.server.http.errors import ApiError
 from cosystream.server.http.native import NativeStream, StreamEnded
@@ -235,6 +236,7 @@ class _Buffer:
         self.offset_ms = offset_ms  # where this buffer starts in the connection's audio
         self.sent_bytes = 0
         self.committing = False
+        self.commit_event_id: str | None = None
         self.item_id: str | None = None if settings.server_vad else _new_id("item")
         self.committed_items = 0  # items committed since the commit was asked for
         self.finals: list[str] = []  # manual turns: the finals of the buffer so far
@@ -269,10 +271,11 @@ class _Buffer:
         self.sent_bytes += len(audio)
         await self.stream.send_audio(audio)
 
-    def commit(self, asked: bool = True) -> None:
-        """End the buffer (``asked``: by the client's commit, which an empty buffer answers with an error;
-        else by a settings change)."""
-        self.committing = asked
+    def commit(self, asked: bool = True, event_id: str | None = None) -> None:
+        """End the buffer (``asked``: by the client's commit, whose ``event_id`` an error names if the buffer
+        has nothing to commit; else by a settings change)."""
+        self.committing, self.commit_event_id = asked, event_id
+        self.committed_items = 0  # server VAD: what the endpointer commits from now on answers this commit
         if not self.settings.server_vad:
             self.connection.emit(
                 {
@@ -391,7 +394,9 @@ class _Buffer:
                 connection.emit(self._completed(" ".join(self.finals), pb.Latency()))
             elif self.committing and not self.committed_items:
                 connection.error(
-                    "the input audio buffer held no speech to commit", "input_audio_buffer_commit_empty"
+                    "the input audio buffer held no speech to commit (the server had committed all of it)",
+                    "input_audio_buffer_commit_empty",
+                    event_id=self.commit_event_id,
                 )
             return
         if ended.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -402,7 +407,14 @@ class _Buffer:
 class RealtimeConnection:
     """One WebSocket's transcription session."""
 
-    def __init__(self, servicer: CosyStreamServicer, ws: web.WebSocketResponse, token: Token | None, beta: bool):
+    def __init__(
+        self,
+        servicer: CosyStreamServicer,
+        ws: web.WebSocketResponse,
+        token: Token | None,
+        beta: bool,
+        idle_timeout_s: float | None = None,  # None: HttpConfig's default; 0: never
+    ):
         self.servicer = servicer
         self.ws = ws
         self.token = token
@@ -417,9 +429,12 @@ class RealtimeConnection:
         self._out: asyncio.Queue = asyncio.Queue(QUEUED_EVENTS)
         self._writer: asyncio.Task | None = None
         self._closer: asyncio.Task | None = None
+        self.idle_timeout_s = HttpConfig().ws_idle_timeout_s if idle_timeout_s is None else idle_timeout_s
+        self._active_s = 0.0  # the loop's time of the last event either way
 
     # Server events, in order, through one writer.
     def emit(self, event: dict) -> None:
+        self._active_s = asyncio.get_running_loop().time()
         event.setdefault("event_id", _new_id("event"))
         event = {"type": event.pop("type"), "event_id": event.pop("event_id"), **event}
         try:
@@ -476,12 +491,33 @@ class RealtimeConnection:
             self.ended_ms += self.buffer.audio_ms
             self.buffer = None
 
+    async def _watch_idle(self) -> None:
+        """Close the connection once no event has passed either way for ``idle_timeout_s``: a client that
+        sends nothing and is sent nothing holds a connection (and perhaps a slot) for no one. A client
+        waiting for the results of audio it sent is not idle while they come, nor while a buffer it
+        committed is still being finished (its answer is owed)."""
+        loop = asyncio.get_running_loop()
+        while self.closing is None:
+            if any(buffer is not self.buffer for buffer in self.buffers):
+                self._active_s = loop.time()
+            left_s = self._active_s + self.idle_timeout_s - loop.time()
+            if left_s > 0:
+                await asyncio.sleep(left_s)
+                continue
+            message = f"no client event for {self.idle_timeout_s:g} s: the session is closed"
+            log.info("realtime session %s: idle for %g s; closing", self.session_id, self.idle_timeout_s)
+            self.error(message, "idle_timeout")
+            self.close(1000, f"idle for {self.idle_timeout_s:g} s")
+
     async def serve(self) -> None:
-        self._writer = asyncio.get_running_loop().create_task(self._write())
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
         name = "transcription_session.created" if self.beta else "session.created"
         self.emit({"type": name, "session": self._describe(self.beta)})
+        watchdog = loop.create_task(self._watch_idle()) if self.idle_timeout_s > 0 else None
         try:
             async for message in self.ws:
+                self._active_s = loop.time()
                 if message.type != WSMsgType.TEXT:
                     if message.type == WSMsgType.BINARY:
                         self.error("send events as JSON text messages", "invalid_json")
@@ -490,6 +526,8 @@ class RealtimeConnection:
                 if self.closing is not None:
                     break
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             await self._finish()
 
     async def _finish(self) -> None:
@@ -539,6 +577,13 @@ class RealtimeConnection:
                 data = base64.b64decode(audio, validate=True)
             except (binascii.Error, ValueError):
                 raise EventError("'audio' is not valid base64", "invalid_value", "audio") from None
+            if self.settings.encoding == pb.LINEAR16 and len(data) % 2:
+                raise EventError(
+                    f"'audio' holds an odd number of bytes ({len(data)}): 16-bit PCM is 2 bytes a sample, so "
+                    "every append must hold whole samples",
+                    "invalid_value",
+                    "audio",
+                )
             if self.buffer is None:
                 self.buffer = _Buffer(self, self.settings, self.ended_ms)
                 self.buffers.add(self.buffer)
@@ -548,7 +593,7 @@ class RealtimeConnection:
                 raise EventError(
                     "the input audio buffer is empty: nothing to commit", "input_audio_buffer_commit_empty"
                 )
-            self.buffer.commit()
+            self.buffer.commit(event_id=event.get("event_id"))
             self._end_buffer()
         elif kind == "input_audio_buffer.clear":
             if self.buffer is not None:
