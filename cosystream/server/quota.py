@@ -8,9 +8,12 @@ only while it has open sessions; a slot whose counts are all zero is free for an
 
 A frontend that dies takes its sessions with it: the supervisor zeroes its row before respawning it.
 
-The same shared memory holds what short-lived client secrets (``cosystream.server.http.secrets``) need
-across the frontends: the key that signs them, and the secrets already spent (each is good for one
-connection, which may reach any frontend).
+The same shared memory holds what the HTTP port counts per token across the frontends (:class:`OwnedRows`):
+the short-lived client secrets (``cosystream.server.http.secrets``) issued and not yet spent, with the key
+that signs them (each secret is good for one connection, which may reach any frontend), and the open
+WebSockets. Each row names the token's digest (its hashed entry, not its name: a name given a new value
+is a new owner), so a per-token limit is one vector compare under the lock, and no token can fill a table
+that the others need.
 """
 
 from __future__ import annotations
@@ -30,13 +33,21 @@ SLOTS = 1024
 NAME_BYTES = 64
 """The longest token name (auth.py refuses longer ones)."""
 LOCK_TIMEOUT_S = 0.05
-SPENT_SLOTS = 4096
-"""Client secrets spent and not yet expired that the table remembers (their nonces)."""
+SECRET_SLOTS = 4096
+"""Client secrets issued, not yet spent nor expired, that the server holds (every token together)."""
+WEBSOCKET_SLOTS = 8192
+"""WebSockets opened with a token that the server holds open at once (every token together)."""
 NONCE_BYTES = 16
+OWNER_BYTES = 32
+"""A token's SHA-256 digest: what owns a row."""
 
 
 class QuotaExceeded(Exception):
     """The token already holds its ``max_sessions``; the message names the quota."""
+
+
+class OwnerLimit(QuotaExceeded):
+    """The token already holds its limit of a table's rows (client secrets, WebSockets)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +63,77 @@ class Claim:
             self.sessions = None
 
 
+class Held(Claim):
+    """One open WebSocket counted against its token; :meth:`release` gives it back (idempotent)."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        sessions, self.sessions = self.sessions, None
+        if sessions is not None:
+            sessions._close_websocket(self.slot)
+
+
+class OwnedRows:
+    """A fixed table in shared memory of rows that a token holds until a time: a key (a secret's nonce),
+    the owner (a token's digest), the time the row lapses (Unix seconds; inf: until freed) and the frontend
+    that holds it (-1: none). A row whose time is past is free. The caller holds the table's lock."""
+
+    def __init__(self, context, slots: int):
+        self._raw = (
+            context.RawArray(ctypes.c_char, slots * NONCE_BYTES),
+            context.RawArray(ctypes.c_char, slots * OWNER_BYTES),
+            context.RawArray(ctypes.c_double, slots),
+            context.RawArray(ctypes.c_int32, slots),
+        )
+        self._views()
+
+    def _views(self) -> None:
+        keys, owners, until, frontend = self._raw
+        self.keys = np.frombuffer(keys, dtype=f"S{NONCE_BYTES}")
+        self.owners = np.frombuffer(owners, dtype=f"S{OWNER_BYTES}")
+        self.until = np.frombuffer(until, dtype=np.float64)
+        self.frontend = np.frombuffer(frontend, dtype=np.int32)
+
+    def __getstate__(self):
+        return self._raw
+
+    def __setstate__(self, state) -> None:
+        self._raw = state
+        self._views()
+
+    def add(self, key: bytes, owner: bytes, until: float, frontend: int, limit: int, now: float) -> int:
+        """A new row's slot. Raises :class:`OwnerLimit` if ``owner`` holds ``limit`` live rows,
+        :class:`QuotaExceeded` if none is free."""
+        live = self.until > now
+        held = int(np.count_nonzero(live & (self.owners == owner)))
+        if held >= limit:
+            raise OwnerLimit(f"{held} held, the limit is {limit}")
+        free = np.flatnonzero(~live)
+        if not len(free):
+            raise QuotaExceeded(f"all {len(self.until)} are in use")
+        slot = int(free[0])
+        self.keys[slot], self.owners[slot], self.frontend[slot] = key, owner, frontend
+        self.until[slot] = until
+        return slot
+
+    def take(self, key: bytes, now: float) -> bytes | None:
+        """Free the live row of ``key``: its owner, or None if there is none."""
+        found = np.flatnonzero((self.until > now) & (self.keys == key))
+        if not len(found):
+            return None
+        slot = int(found[0])
+        self.until[slot] = 0.0
+        return bytes(self.owners[slot]).ljust(OWNER_BYTES, b"\0")  # (numpy drops trailing NULs)
+
+    def free(self, slot: int) -> None:
+        self.until[slot] = 0.0
+
+    def free_frontend(self, frontend: int) -> None:
+        """Frontend ``frontend`` died: the rows it held are gone."""
+        self.until[self.frontend == frontend] = 0.0
+
+
 class TokenSessions:
     """The shared table. Make it before spawning the frontends (``frontends`` rows) and hand each its row
     with :meth:`for_frontend`; it pickles into spawned processes only (as ``multiprocessing`` objects do)."""
@@ -61,9 +143,10 @@ class TokenSessions:
         self._lock = context.Lock()
         self._names_raw = context.RawArray(ctypes.c_char, SLOTS * NAME_BYTES)
         self._counts_raw = context.RawArray(ctypes.c_int32, frontends * SLOTS)
-        self._secrets_raw = context.RawArray(ctypes.c_char, 32 + SPENT_SLOTS * NONCE_BYTES)
-        self._spent_until_raw = context.RawArray(ctypes.c_double, SPENT_SLOTS)
-        self._secrets_raw[:32] = os.urandom(32)
+        self._secrets_raw = context.RawArray(ctypes.c_char, 32)
+        self._secrets_raw[:] = os.urandom(32)
+        self._secrets = OwnedRows(context, SECRET_SLOTS)
+        self._websockets = OwnedRows(context, WEBSOCKET_SLOTS)
         self.frontends = frontends
         self.row = 0
         self._views()
@@ -71,12 +154,10 @@ class TokenSessions:
     def _views(self) -> None:
         self._names = np.frombuffer(self._names_raw, dtype=f"S{NAME_BYTES}")
         self._counts = np.frombuffer(self._counts_raw, dtype=np.int32).reshape(self.frontends, SLOTS)
-        self._spent = np.frombuffer(self._secrets_raw, dtype=f"S{NONCE_BYTES}", offset=32)
-        self._spent_until = np.frombuffer(self._spent_until_raw, dtype=np.float64)
         self._slot_of: dict[bytes, int] = {}  # this process's guesses, checked under the lock
         self._unlocked = False
 
-    _SHARED = ("_lock", "_names_raw", "_counts_raw", "_secrets_raw", "_spent_until_raw", "frontends", "row")
+    _SHARED = ("_lock", "_names_raw", "_counts_raw", "_secrets_raw", "_secrets", "_websockets", "frontends", "row")
 
     def __getstate__(self):
         return tuple(getattr(self, name) for name in self._SHARED)
@@ -99,21 +180,30 @@ class TokenSessions:
         """The key that signs client secrets, the same in every frontend of the server."""
         return bytes(self._secrets_raw[:32])
 
-    def spend(self, nonce: bytes, expires_at: float, now: float) -> bool:
-        """Mark a client secret spent until it expires; False if it was spent before. Raises
-        :class:`QuotaExceeded` when ``SPENT_SLOTS`` unexpired secrets are spent already."""
-        key = nonce[:NONCE_BYTES].ljust(NONCE_BYTES, b"\0")
+    def issue_secret(self, nonce: bytes, owner: bytes, expires_at: float, now: float, limit: int) -> None:
+        """Hold a client secret issued for ``owner`` (a token's digest) until it is spent or expires. Raises
+        :class:`OwnerLimit` when ``owner`` holds ``limit`` already, :class:`QuotaExceeded` when every token
+        together holds ``SECRET_SLOTS``."""
         with self._locked():
-            live = self._spent_until >= now
-            if np.any(live & (self._spent == key)):
-                return False
-            free = np.flatnonzero(~live)
-            if not len(free):
-                raise QuotaExceeded(f"{SPENT_SLOTS} client secrets are in use; retry in a minute")
-            slot = int(free[0])
-            self._spent[slot] = key
-            self._spent_until[slot] = expires_at
-        return True
+            self._secrets.add(nonce, owner, expires_at, -1, limit, now)
+
+    def spend(self, nonce: bytes, now: float) -> bytes | None:
+        """Spend a client secret: the digest of the token it was issued for, or None if it is not held
+        (spent already, or expired)."""
+        with self._locked():
+            return self._secrets.take(nonce, now)
+
+    def open_websocket(self, owner: bytes, limit: int) -> Held:
+        """Count one more open WebSocket of ``owner`` (a token's digest) on this frontend, until the
+        returned :class:`Held` is released. Raises :class:`OwnerLimit` at ``limit``, :class:`QuotaExceeded`
+        when the server holds ``WEBSOCKET_SLOTS``."""
+        with self._locked():
+            slot = self._websockets.add(b"", owner, float("inf"), self.row, limit, 0.0)
+        return Held(self, slot)
+
+    def _close_websocket(self, slot: int) -> None:
+        with self._locked():
+            self._websockets.free(slot)
 
     def claim(self, name: str, max_sessions: int | None) -> Claim:
         """Count one more session of ``name``; raises :class:`QuotaExceeded` at ``max_sessions`` (None: no
@@ -144,6 +234,7 @@ class TokenSessions:
         """Frontend ``index`` died: its sessions are gone."""
         with self._locked():
             self._counts[index, :] = 0
+            self._websockets.free_frontend(index)
 
     def _release(self, slot: int) -> None:
         with self._locked():

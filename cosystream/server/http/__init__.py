@@ -11,4 +11,10 @@ class HttpConfig:
     host: str = "0.0.0.0"
     port: int = 0  # 0: any free port
     max_upload_bytes: int = 25 << 20  # a larger file is refused with 413 (OpenAI's limit is 25 MB)
+    idle_timeout_s: float = 30.0  # a connection with no request this long is closed (none yet, or kept alive)
+    # Without tokens the port answers its own pages only: Origins (beside its own) and Host names (beside
+    # localhost, the machine's name, the bound address and any IP address) that it answers too. "*": any.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    max_upload_audio_s: float = 3600.0  # a longer file is refused with 400 before it is decoded (its header says)
     ws_idle_timeout_s: float = 60.0  # a Realtime WebSocket with no client event this long: error, then close 1000

@@ -14,27 +14,42 @@ Routes::
 
 With tokens on, everything under /v1/ needs ``Authorization: Bearer TOKEN`` (401 in OpenAI's error shape
 otherwise); the WebSocket also takes a client secret, in its subprotocols
-(``openai-insecure-api-key.SECRET``) or as ``?client_secret=SECRET``. The page and /health need none. TLS
-is the gRPC port's: the same files, reloaded when they change.
+(``openai-insecure-api-key.SECRET``) or as ``?client_secret=SECRET``. The page and /health need none. A
+token holds at most ``WEBSOCKETS_PER_SESSION`` x its ``max_sessions`` WebSockets open, on every frontend
+together (429 before the upgrade beyond). Without tokens the port answers its own pages only: a request
+whose ``Origin`` is another site's, or whose ``Host`` is a name the server does not go by (DNS rebinding),
+gets 403 (``HttpConfig.allowed_origins``/``allowed_hosts`` add others), and there are no client secrets.
+A connection that sends no request for ``HttpConfig.idle_timeout_s`` (before its first, or between
+kept-alive ones) is closed. TLS is the gRPC port's: the same files, reloaded when they change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from cosystream.server.auth import AuthError, Token, TokenStore
+from cosystream.server.auth import UNAUTHENTICATED_HELP, AuthError, Token, TokenStore
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.errors import ApiError
 from cosystream.server.http.realtime import RealtimeConnection
-from cosystream.server.http.secrets import DEFAULT_TTL_S, MAX_TTL_S, MIN_TTL_S, ClientSecrets, SecretRefused
+from cosystream.server.http.secrets import (
+    DEFAULT_TTL_S,
+    MAX_TTL_S,
+    MIN_TTL_S,
+    ClientSecrets,
+    SecretRefused,
+    outstanding_limit,
+)
 from cosystream.server.http.transcriptions import Transcriber
+from cosystream.server.quota import Held, OwnerLimit, QuotaExceeded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.server.tls import ReloadingSSLContext, TlsConfig
 
@@ -43,6 +58,12 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).with_name("static")
 SECRET_PROTOCOL = "openai-insecure-api-key."
 MAX_EVENT_BYTES = 16 << 20  # one WebSocket message (OpenAI takes appends of up to 15 MiB)
+WEBSOCKETS_PER_SESSION = 2
+"""Open WebSockets a token may hold per session of its ``max_sessions`` (a page reconnecting while its old
+socket closes needs a second)..."""
+WEBSOCKETS_PER_TOKEN = 256
+"""... and a token without ``max_sessions``."""
+HTTP_HELP = "send the header 'Authorization: Bearer TOKEN' with a token this server knows"
 
 
 PAGE_POLICY = "default-src 'self'; img-src 'self' data:; connect-src 'self' blob:; frame-ancestors 'none'"
@@ -69,12 +90,14 @@ class HttpServer:
         self.config = config
         self.servicer = servicer
         self.tokens = tokens
-        self.secrets = ClientSecrets(servicer.token_sessions, tokens)
+        self.secrets = ClientSecrets(servicer.token_sessions, tokens) if tokens is not None else None
+        self.origins = {o.strip().rstrip("/").lower() for o in config.allowed_origins}
+        self.hosts = _served_names(config)
         self.ssl = ReloadingSSLContext(tls) if tls is not None else None
         self.serving = serving
         self.port = config.port
         self.connections: set[RealtimeConnection] = set()
-        self.transcriber = Transcriber(servicer, config.max_upload_bytes)
+        self.transcriber = Transcriber(servicer, config.max_upload_bytes, config.max_upload_audio_s)
         self._runner: web.AppRunner | None = None
 
     def application(self) -> web.Application:
@@ -94,7 +117,11 @@ class HttpServer:
     async def start(self) -> int:
         """Listen (SO_REUSEPORT: the frontends share the port); returns the bound port."""
         self._runner = web.AppRunner(
-            self.application(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.application(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=self.config.idle_timeout_s,  # also closes a connection that never sends a request
         )
         await self._runner.setup()
         site = web.TCPSite(
@@ -129,6 +156,8 @@ class HttpServer:
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         try:
+            if self.tokens is None and request.path != "/health":
+                self._check_site(request)
             return await handler(request)
         except ApiError as err:
             return err.response()
@@ -149,14 +178,37 @@ class HttpServer:
         if self.tokens is None:
             return None
         header = request.headers.get("Authorization")
+        return self._authenticate([("authorization", header)] if header is not None else [])
+
+    def _authenticate(self, metadata: list[tuple[str, str]]) -> Token:
         try:
-            return self.tokens.authenticate([("authorization", header)] if header is not None else [])
-        except AuthError as err:
+            return self.tokens.authenticate(metadata)
+        except AuthError as err:  # its help names gRPC's headers; this port reads Authorization only
+            raise ApiError(401, err.message.replace(UNAUTHENTICATED_HELP, HTTP_HELP), "invalid_api_key") from None
+
+    def _check_site(self, request: web.Request) -> None:
+        """Without tokens, only this server's own pages may drive it: raises :class:`ApiError` 403 for a
+        ``Host`` that is not a name it goes by (a DNS-rebinding page) or an ``Origin`` of another site (a
+        cross-site WebSocket or form). Requests with neither (curl, SDKs) pass."""
+        host = request.headers.get("Host")
+        if host is not None and "*" not in self.hosts and not _host_served(host, self.hosts):
             raise ApiError(
-                401,
-                err.message.replace("the metadata header", "the header"),
-                "invalid_api_key",
-            ) from None
+                403,
+                f"Host {host!r} is not a name this server answers to without tokens (a DNS-rebinding guard): "
+                "serve --allowed-hosts NAME[,NAME...] adds it, or turn tokens on (--auth-tokens)",
+                "host_not_allowed",
+            )
+        origin = request.headers.get("Origin")
+        if origin is None or "*" in self.origins:
+            return
+        origin = origin.strip().rstrip("/").lower()
+        if origin != f"{request.scheme}://{host or ''}".lower() and origin not in self.origins:
+            raise ApiError(
+                403,
+                f"Origin {origin!r} may not use this server without tokens (only its own pages may): serve "
+                "--allowed-origins ORIGIN[,ORIGIN...] allows it, or turn tokens on (--auth-tokens)",
+                "origin_not_allowed",
+            )
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
         index = STATIC / "index.html"
@@ -186,6 +238,13 @@ class HttpServer:
         """A client secret for the request's token, for ``expires_after.seconds`` of its JSON body: the
         secret, its expiry (Unix seconds) and the body."""
         token = self._token(request)
+        if token is None:
+            raise ApiError(
+                404,
+                "client secrets exist only when the server has tokens (serve --auth-tokens): without them, "
+                "open the WebSocket as is",
+                "not_found",
+            )
         body = await self._json_body(request)
         after = body.get("expires_after") or {}
         seconds = after.get("seconds", DEFAULT_TTL_S) if isinstance(after, dict) else DEFAULT_TTL_S
@@ -196,7 +255,19 @@ class HttpServer:
                 "invalid_value",
                 "expires_after.seconds",
             )
-        return (*self.secrets.issue(token, seconds), body)
+        try:
+            return (*self.secrets.issue(token, seconds), body)
+        except OwnerLimit:
+            raise ApiError(
+                429,
+                f"token {token.name!r} already holds {outstanding_limit(token)} client secrets not yet used "
+                "nor expired: open a connection with one, or wait for them to expire, before asking for more",
+                "too_many_client_secrets",
+            ) from None
+        except QuotaExceeded:
+            raise ApiError(
+                429, "the server holds all the client secrets it can; retry in a minute", "too_many_client_secrets"
+            ) from None
 
     async def _json_body(self, request: web.Request) -> dict:
         if not request.can_read_body:
@@ -235,13 +306,10 @@ class HttpServer:
         chosen = "realtime" if "realtime" in protocols else None
         presented = next((p[len(SECRET_PROTOCOL) :] for p in protocols if p.startswith(SECRET_PROTOCOL)), None)
         presented = presented or request.query.get("client_secret")
-        if presented is None or (self.tokens is None and not presented.startswith("ek_")):
+        if presented is None or self.tokens is None:
             return self._token(request), chosen
         if not presented.startswith("ek_"):  # a real token in a subprotocol (discouraged, but a token)
-            try:
-                return self.tokens.authenticate([("authorization", f"Bearer {presented}")]), chosen
-            except AuthError as err:
-                raise ApiError(401, err.message, "invalid_api_key") from None
+            return self._authenticate([("authorization", f"Bearer {presented}")]), chosen
         try:
             return self.secrets.spend(presented), chosen
         except SecretRefused as err:
@@ -259,10 +327,39 @@ class HttpServer:
         beta = "realtime=v1" in request.headers.get(
             "OpenAI-Beta", ""
         ) or "openai-beta.realtime-v1" in request.headers.get("Sec-WebSocket-Protocol", "")
-        ws = web.WebSocketResponse(
-            protocols=(protocol,) if protocol else (), max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0
-        )
-        await ws.prepare(request)
+        held = None
+        try:
+            held = self._hold_websocket(token)
+            ws = web.WebSocketResponse(
+                protocols=(protocol,) if protocol else (), max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0
+            )
+            await ws.prepare(request)
+            return await self._serve_websocket(ws, token, beta)
+        finally:
+            if held is not None:
+                held.release()
+
+    def _hold_websocket(self, token: Token | None) -> Held | None:
+        """Count the WebSocket against its token (None: tokens off, nothing counted). Raises
+        :class:`ApiError` 429 at the token's limit."""
+        if token is None:
+            return None
+        per_session = None if token.max_sessions is None else WEBSOCKETS_PER_SESSION * token.max_sessions
+        limit = per_session or WEBSOCKETS_PER_TOKEN
+        try:
+            return self.servicer.token_sessions.open_websocket(token.digest, limit)
+        except OwnerLimit:
+            quota = (
+                ""
+                if per_session is None
+                else f" ({WEBSOCKETS_PER_SESSION} x its max_sessions={token.max_sessions})"
+            )
+            message = f"token {token.name!r} already holds {limit} WebSockets open{quota}: close one first"
+        except QuotaExceeded:
+            message = "the server holds all the WebSockets it can; retry in a minute"
+        raise ApiError(429, message, "too_many_websockets")
+
+    async def _serve_websocket(self, ws: web.WebSocketResponse, token: Token | None, beta: bool):
         connection = RealtimeConnection(self.servicer, ws, token, beta, self.config.ws_idle_timeout_s)
         self.connections.add(connection)
         self.servicer.metrics.websocket(opened=True)
@@ -276,3 +373,31 @@ class HttpServer:
             with contextlib.suppress(Exception):
                 await ws.close()
         return ws
+
+
+def _served_names(config: HttpConfig) -> frozenset[str]:
+    """The host names the port answers to without tokens: loopback's, the machine's, the bound address,
+    and those of ``allowed_hosts`` and ``allowed_origins`` (any IP address is answered too: a page cannot
+    rebind one)."""
+    names = {"localhost", socket.gethostname().lower(), config.host.lower()}
+    names.update(h.strip().lower() for h in config.allowed_hosts)
+    for origin in config.allowed_origins:
+        host = origin.strip().rstrip("/").lower().partition("://")[2]
+        if host:  # (not "*" or "null")
+            names.add(host.rsplit(":", 1)[0] if not host.endswith("]") else host)
+    return frozenset(names)
+
+
+def _host_served(host: str, names: frozenset[str]) -> bool:
+    """``host`` (a Host header: a name or address, maybe a port) is an IP address or one of ``names``."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        name = host[1 : host.find("]")] if "]" in host else host
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.rstrip(".")
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in names or name.endswith(".localhost")

@@ -22,21 +22,17 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    403: "invalid_request_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a status: a client's error (4xx) is ``invalid_request_error``, but for
+    429's ``rate_limit_error``; the server's (5xx) is ``server_error``."""
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict:
-    return {
-        "error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param, "code": code}
-    }
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 class ApiError(Exception):
