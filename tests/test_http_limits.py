@@ -5,6 +5,7 @@ answers only its own pages (Origin and Host checked) and issues no secrets."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import socket
 import time
 from pathlib import Path
@@ -312,3 +313,30 @@ def test_client_errors_are_invalid_request_errors_and_401_names_the_http_header(
     assert "x-goog-api-key" not in body["error"]["message"], body
     status, body = call("GET", f"{secured.base}/v1/models", headers={"Authorization": "Basic abc"})
     assert status == 401 and "x-goog-api-key" not in body["error"]["message"], body
+
+
+def test_a_websocket_over_its_tokens_max_sessions_closes_with_1013(secured):
+    """As docs/HTTP.md says: a session its token has no quota left for is an error event, then close 1013
+    (try again later), while the token's other sessions go on."""
+    audio = base64.b64encode(b"\0\0" * 2400).decode()  # 100 ms at 24 kHz
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            sockets = [await websocket(session, secured.base, headers=bearer(SMALL)) for _ in range(3)]
+            events = []
+            for ws in sockets:
+                await ws.send_json({"type": "input_audio_buffer.append", "audio": audio})
+                await asyncio.sleep(0.3)  # (the first two hold their sessions before the third asks)
+            third = sockets[2]
+            while (message := await third.receive(timeout=30)).type == aiohttp.WSMsgType.TEXT:
+                events.append(message.json())
+            await asyncio.sleep(0.2)
+            going_on = [not ws.closed for ws in sockets[:2]]
+            for ws in sockets:
+                await ws.close()
+            return events, message.data if message.type == aiohttp.WSMsgType.CLOSE else message, going_on
+
+    events, code, going_on = asyncio.run(run())
+    errors = [event["error"] for event in events if event["type"] == "error"]
+    assert errors and "max_sessions=2" in errors[-1]["message"], events
+    assert code == 1013 and going_on == [True, True]
