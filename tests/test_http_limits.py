@@ -139,6 +139,20 @@ def test_spent_and_issued_secrets_never_fill_the_shared_table():
     assert table.spend(b"z", now) == bob
 
 
+def test_open_websockets_are_given_back_on_close_and_when_their_frontend_dies():
+    table = TokenSessions(frontends=2)
+    alice = b"a" * 32
+    first, second = table.for_frontend(0), table.for_frontend(1)
+    held = [first.open_websocket(alice, limit=2), second.open_websocket(alice, limit=2)]
+    with pytest.raises(QuotaExceeded):
+        first.open_websocket(alice, limit=2)
+    held[1].release()
+    held[1].release()  # (idempotent)
+    held.append(second.open_websocket(alice, limit=2))
+    table.reset_row(0)  # frontend 0 died with its WebSocket
+    second.open_websocket(alice, limit=2)
+
+
 def test_a_secret_dies_with_the_token_value_it_was_issued_for(secured):
     """The tokens file gives the name 'rotated' a new value: a secret issued with the old value is refused
     401, though the name is still there; one issued with the new value opens a WebSocket."""
