@@ -42,6 +42,7 @@ def measure(
     engines: int = 1,
     finalize_after_ms: float | None = None,
     serve_args: tuple[str, ...] = (),
+    batch: int = 0,
 ) -> dict:
     extra = ["--naive"] if mode == "naive" else ["--frontends", str(frontends), "--engines", str(engines)]
     extra += list(serve_args)
@@ -49,8 +50,11 @@ def measure(
     kind, _, beam_size = decoder.partition(":")
     extra += ["--beam-size", beam_size] if beam_size else []
     probe_extra = ["--processes", str(probe_processes)] + (["--wav", *wavs] if wavs else [])
+    measured_extra = ["--batch", str(batch)] if batch else []  # BATCH sessions beside each measured count
     runs = []
-    with Server("--max-sessions", str(max(counts) + 8), "--decoder", kind, "--device", device, *extra) as server:
+    with Server(
+        "--max-sessions", str(max(counts) + batch + 8), "--decoder", kind, "--device", device, *extra
+    ) as server:
         # Unmeasured: the frontends spawned after the port opened finish starting, every path is warm.
         probe_cpu(server, "--realtime", str(min(4, counts[0])), "--duration", "1", "--ramp-s", "0", *probe_extra)
         for count in counts:
@@ -65,6 +69,7 @@ def measure(
                 "--ramp-s",
                 "1",
                 *probe_extra,
+                *measured_extra,
                 *([] if finalize_after_ms is None else ["--finalize-after-ms", str(finalize_after_ms)]),
             )
             cpu_s = server_seconds(cpu)
@@ -78,6 +83,7 @@ def measure(
                 "finalize_p99_ms": p(rt, "finalize_ms", "p99"),
                 "deadline_misses": rt["deadline_misses"],
                 "errors": rt["errors"],
+                "batch_realtime_factor": result["classes"]["batch"].get("realtime_factor") if batch else None,
                 "audio_s": rt["audio_seconds"],
                 "server_cpu_ms_per_audio_s": 1e3 * cpu_s / rt["audio_seconds"]
                 if rt["audio_seconds"]
@@ -176,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the probe sends FINALIZE this long after each sentence; FINALIZE -> final is reported",
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="BATCH sessions sending as fast as allowed beside each stream count (realtime isolation)",
+    )
+    parser.add_argument(
         "--serve-arg",
         action="append",
         default=[],
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             engines,
             args.finalize_after_ms,
             tuple(args.serve_arg),
+            args.batch,
         )
         for chunk_ms in args.chunk_ms
         for decoder in args.decoders
@@ -231,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" {run['streams']:>8} {run['p50_ms']:>8.1f}"
                 f" {run['p99_ms']:>8.1f} {run['deadline_misses']:>7} {run['server_cpu_ms_per_audio_s']:>9.1f}"
                 f"  {'yes' if run['passed'] else 'no'}"
+                + (f"  batch x{run['batch_realtime_factor'] or 0:.1f}" if args.batch else "")
                 + (
                     f"  finalize p50/p99 {run['finalize_p50_ms']:.1f}/{run['finalize_p99_ms']:.1f} ms"
                     if args.finalize_after_ms is not None
