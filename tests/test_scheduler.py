@@ -552,3 +552,84 @@ def test_ending_utterances_share_steps_and_a_removed_session_is_forgotten():
     plan = sched.schedule()
     assert (plan.slots, plan.frames) == ([1, 2, 3], 16)
     assert sched.schedule() is None and sched.realtime_due_s() is None
+
+
+# -- BATCH beside realtime: what realtime leaves -----------------------------------------------------
+
+
+def run_realtime_load(sched: Scheduler, clock: FakeClock, slot: int, share: float, seconds: float) -> None:
+    """Realtime steps taking ``share`` of the time for ``seconds``: one frame every 10 ms, each step
+    measured at ``share * 10 ms``."""
+    end = clock.now + seconds
+    while clock.now < end:
+        sched.add_frames(slot, 1, clock.now)
+        plan = sched.schedule()
+        assert plan is not None and plan.priority == RT
+        clock.now += 0.010 * share
+        sched.update_cost(plan.rows, plan.frames, 0.010 * share, RT)
+        clock.now += 0.010 * (1 - share)
+
+
+@pytest.mark.parametrize(
+    ("duty", "realtime_share", "gap_steps"),
+    [
+        (0.5, 0.0, 1.0),  # no realtime: BATCH takes half the time, as before
+        (0.5, 0.3, 4.0),  # realtime took 0.3: BATCH gets 0.2, so after a step of d it waits 4d
+        (0.5, 0.6, 19.0),  # realtime past the cap: BATCH keeps its floor of 0.05 (waits 19d)
+        (1.0, 0.6, 0.0),  # duty 1 (CUDA): BATCH takes all that realtime leaves, no gap
+    ],
+)
+def test_batch_share_is_the_duty_minus_what_realtime_took(duty, realtime_share, gap_steps):
+    sched, clock = make(max_sessions=8, batch_max_duty=duty, batch_min_duty=0.05, realtime_load_window_s=0.5)
+    open_session(sched, 0, RT)
+    open_session(sched, 1, BATCH)
+    if realtime_share:
+        run_realtime_load(sched, clock, 0, realtime_share, 3.0)  # six windows: the average has settled
+        assert sched.realtime_share() == pytest.approx(realtime_share, rel=0.05)
+    sched.add_frames(1, 1000, clock.now)
+    plan = sched.schedule()
+    assert plan.priority == BATCH
+    step_s = 0.004
+    clock.now += step_s
+    sched.update_cost(plan.rows, plan.frames, step_s, BATCH)
+    if gap_steps:
+        assert sched.schedule() is None
+    assert sched.next_due_s() - clock.now == pytest.approx(gap_steps * step_s, rel=0.06)
+    clock.now += gap_steps * step_s * 1.07
+    assert sched.schedule().priority == BATCH
+
+
+def test_realtime_share_decays_when_realtime_stops():
+    sched, clock = make(max_sessions=8, realtime_load_window_s=0.5)
+    open_session(sched, 0, RT)
+    run_realtime_load(sched, clock, 0, 0.4, 3.0)
+    assert sched.realtime_share() == pytest.approx(0.4, rel=0.05)
+    clock.now += 2.0  # four time constants
+    assert sched.realtime_share() == pytest.approx(0.4 * math.exp(-4), rel=0.05)
+
+
+def test_a_batch_step_waits_for_realtime_frames_due_before_it_would_end():
+    sched, clock = make(max_sessions=8, realtime_batch_window_s=0.006, batch_min_duty=0.05)
+    open_session(sched, 0, RT)
+    open_session(sched, 1, BATCH)
+    sched.add_frames(1, 1000, 0.0)
+    plan = sched.schedule()
+    clock.now = 0.005
+    sched.update_cost(plan.rows, plan.frames, 0.005, BATCH)  # a BATCH step takes 5 ms
+    sched.add_frames(0, 1, 0.005)  # a realtime frame, due at 0.011
+    clock.now = 0.007
+    assert sched.schedule() is None  # a BATCH step now would end at 0.012: the realtime frame goes first
+    assert sched.next_due_s() == pytest.approx(0.011)  # and the engine sleeps until then, not spins
+    clock.now = 0.011
+    assert sched.schedule().priority == RT
+    assert sched.schedule().priority == BATCH  # nothing realtime waits: BATCH goes on
+    clock.now = 0.016
+    sched.update_cost(plan.rows, plan.frames, 0.005, BATCH)
+    # Realtime frames always due soon would starve BATCH: past its floor (5 ms / 0.05 - 5 ms = 95 ms
+    # after its last step) a BATCH step runs anyway.
+    clock.now = 0.110
+    sched.add_frames(0, 1, 0.108)
+    assert sched.schedule() is None
+    clock.now = 0.111
+    sched.add_frames(0, 1, 0.111)
+    assert sched.schedule().priority == BATCH

@@ -19,7 +19,13 @@ Policy (the scheduler contract in README.md, "How it works"):
 - BATCH fills the rest: the session at the round-robin head fixes T (``min(pending, batch_frames)``
   rounded down to a bucket), and the step takes the sessions with that T among the next N in order,
   where N is the largest row bucket whose estimated cost fits ``batch_step_budget_s`` (at least 1).
-  A realtime frame therefore waits behind at most one budget-sized batch step.
+  A realtime frame therefore waits behind at most one budget-sized batch step, and usually none: a BATCH
+  step is not started when realtime frames are due before it would end (by the last BATCH step's cost),
+  unless BATCH had less than ``batch_min_duty`` of the engine's time lately.
+- BATCH's share of the engine's time (``batch_max_duty`` < 1, the CPU default, where frontends share the
+  cores): ``batch_max_duty`` minus the share realtime steps took over the last ``realtime_load_window_s``,
+  at least ``batch_min_duty``. On shared cores every BATCH frame stepped also costs its frontend the
+  decoding of it (15-70x real time of beam search), so with realtime near the cap BATCH gets the floor.
 - Round-robin: each class keeps an insertion-ordered set of ready slots; a stepped session that still
   has frames moves to the back, one that was passed over keeps its place at the front.
 - Several models: every session runs on one (``add(slot, priority, model)``); a step's rows are all of one
@@ -72,6 +78,11 @@ REALTIME_BATCH_WINDOW_S = 0.006
 """How long a realtime frame may wait for other sessions' frames to share its step (``--batch-window-ms``)."""
 BATCH_STEP_BUDGET_S = 0.004
 """The estimated cost cap of one BATCH step: the longest a realtime frame waits behind BATCH work."""
+BATCH_MIN_DUTY = 0.05
+"""The share of the engine's time BATCH work keeps however busy realtime is, so BATCH streams progress."""
+REALTIME_LOAD_WINDOW_S = 0.5
+"""The time constant over which realtime steps' share of the engine's time is measured (an exponential
+average), for the BATCH duty cap."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,9 +102,14 @@ class SchedulerConfig:
     # Realtime frames wait up to this long for others to join their step (0 = step at once). A step costs
     # a fixed ~1 ms on a CPU plus a little per row, so stepping every arrival alone saturates the core.
     realtime_batch_window_s: float = REALTIME_BATCH_WINDOW_S
-    # Most of the engine's time BATCH steps may take (1 = all that realtime leaves). Below 1 leaves CPU
-    # to frontends sharing the cores: after a BATCH step of d seconds the next waits d * (1/duty - 1).
+    # Most of the engine's time steps may take before BATCH work waits (1 = BATCH takes all that realtime
+    # leaves). Below 1 leaves CPU to frontends sharing the cores: BATCH gets ``duty`` minus the share
+    # realtime steps took lately (at least ``batch_min_duty``), so after a BATCH step of d seconds the next
+    # waits d * (1/share - 1). Realtime's share counts because on shared cores every BATCH frame stepped
+    # also costs its frontend the decoding of it, on the same cores realtime streams need.
     batch_max_duty: float = 1.0
+    batch_min_duty: float = BATCH_MIN_DUTY
+    realtime_load_window_s: float = REALTIME_LOAD_WINDOW_S
     cost_ema_alpha: float = 0.2  # weight of a new measurement in the per-(rows, T) cost EMA
 
     def __post_init__(self) -> None:
@@ -122,6 +138,10 @@ class SchedulerConfig:
             raise ValueError("realtime_batch_window_s must be in [0, deadline_s)")
         if not 0 < self.batch_max_duty <= 1:
             raise ValueError(f"batch_max_duty must be in (0, 1], got {self.batch_max_duty}")
+        if not 0 < self.batch_min_duty <= self.batch_max_duty:
+            raise ValueError(f"batch_min_duty must be in (0, batch_max_duty], got {self.batch_min_duty}")
+        if not self.realtime_load_window_s > 0:
+            raise ValueError(f"realtime_load_window_s must be > 0, got {self.realtime_load_window_s}")
         if not 0 < self.cost_ema_alpha <= 1:
             raise ValueError(f"cost_ema_alpha must be in (0, 1], got {self.cost_ema_alpha}")
 
@@ -204,6 +224,12 @@ class Scheduler:
         # Arrival of the oldest frame waiting in _ready_rt.
         self._rt_waiting_since = math.inf
         self._batch_allowed_s = -math.inf  # the duty cap's earliest time for the next BATCH step
+        self._last_batch_s = 0.0  # the last BATCH step's measured seconds
+        # The time after which a BATCH step runs even with realtime frames due (batch_min_duty's floor).
+        self._batch_floor_s = -math.inf
+        # Realtime step seconds, exponentially decayed over realtime_load_window_s, as of _rt_busy_at.
+        self._rt_busy_s = 0.0
+        self._rt_busy_at = clock()
         self._ready_batch: OrderedDict[int, None] = OrderedDict()
         self._batch_admitted: OrderedDict[int, None] = OrderedDict()  # oldest admission first
         # T for a given min(pending, cap): the largest frame bucket <= it.
@@ -357,15 +383,37 @@ class Scheduler:
 
     def next_due_s(self) -> float | None:
         """Earliest clock time at which `schedule()` may return a step (None: nothing pending)."""
-        times = [
-            t
-            for t in (self.realtime_due_s(), self._batch_allowed_s if self._ready_batch else None)
-            if t is not None
-        ]
+        times = [t for t in (self.realtime_due_s(), self._batch_next_s(self._clock())) if t is not None]
         return min(times) if times else None
 
+    def _batch_next_s(self, now: float) -> float | None:
+        """When the next BATCH step may start, as things stand (None: no BATCH work waits)."""
+        if not self._ready_batch:
+            return None
+        start = max(now, self._batch_allowed_s)
+        if start >= self._batch_floor_s:
+            return start
+        # Realtime frames due before this step would end (as long as the last one took): they go first.
+        due = self.realtime_due_s()
+        if due is not None and due < start + self._last_batch_s:
+            return self._batch_floor_s  # (or after realtime's step, which comes sooner)
+        return start
+
     def _batch_due(self, now: float) -> bool:
-        return bool(self._ready_batch) and now >= self._batch_allowed_s
+        start = self._batch_next_s(now)
+        return start is not None and start <= now
+
+    def realtime_share(self) -> float:
+        """The share of the engine's time realtime steps took lately (over ``realtime_load_window_s``)."""
+        return min(1.0, self._realtime_busy(self._clock()) / self.config.realtime_load_window_s)
+
+    def _realtime_busy(self, now: float) -> float:
+        """Realtime step seconds decayed to ``now`` (their sum over the window, at a steady rate)."""
+        elapsed = now - self._rt_busy_at
+        if elapsed > 0:
+            self._rt_busy_s *= math.exp(-elapsed / self.config.realtime_load_window_s)
+            self._rt_busy_at = now
+        return self._rt_busy_s
 
     def _realtime_due(self, now: float) -> bool:
         due = self.realtime_due_s()
@@ -510,8 +558,16 @@ class Scheduler:
         priority)."""
         if not 1 <= rows <= self.config.max_batch or frames < 1 or not 0 <= seconds < math.inf:
             raise ValueError(f"bad step measurement: rows={rows} frames={frames} seconds={seconds}")
-        if priority == Priority.BATCH and self.config.batch_max_duty < 1:
-            self._batch_allowed_s = self._clock() + seconds * (1 / self.config.batch_max_duty - 1)
+        c = self.config
+        if priority == Priority.REALTIME:
+            self._rt_busy_s = self._realtime_busy(self._clock()) + seconds
+        elif priority == Priority.BATCH:
+            now = self._clock()
+            self._last_batch_s = seconds
+            self._batch_floor_s = now + seconds * (1 / c.batch_min_duty - 1)
+            if c.batch_max_duty < 1:
+                share = max(c.batch_min_duty, c.batch_max_duty - self.realtime_share())
+                self._batch_allowed_s = now + seconds * (1 / share - 1)
         key = (self._row_bucket(rows), frames)
         costs = self._cost_s[model]
         old = costs.get(key)
