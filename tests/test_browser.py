@@ -171,6 +171,11 @@ class Page:
     def element(self, element_id: str):
         return self.driver.find_element(By.ID, element_id)
 
+    def token_asked(self) -> bool | None:
+        """Whether the page asks for a token (None: it has not learnt yet whether the server needs one)."""
+        asked = self.driver.execute_script("return document.getElementById('controls').dataset.token")
+        return {"needed": True, "none": False}.get(asked)
+
     def click_start(self) -> None:
         self.element("start").click()
 
@@ -237,6 +242,8 @@ def screenshot(driver: webdriver.Chrome, path: Path) -> None:
 def test_captions_from_the_microphone_with_latency_and_a_vtt_download(browser, server, tmp_path):
     page = Page(browser, server.http_url)
     assert page.status()[1] == "idle" and page.element("download").get_attribute("aria-disabled") == "true"
+    page.wait(lambda: page.token_asked() is False, 10, "the page learning that the server needs no token")
+    assert not page.element("token").is_displayed(), "no token field on a server without tokens"
     page.watch_partials()
     page.click_start()
     page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
@@ -279,6 +286,8 @@ def test_tokens_a_wrong_one_is_refused_the_right_one_captions_and_a_server_going
     tokens.write_text(f"carol {TOKEN}\n")
     with http_server(tokens) as secured:
         page = Page(browser, secured.http_url)
+        page.wait(lambda: page.token_asked(), 10, "the page learning that the server needs a token")
+        assert page.element("token").is_displayed()
         page.click_start()
         assert "needs an access token" in page.wait_error()
         page.element("token").send_keys("wrong-token-0123456789abcdef")
@@ -308,6 +317,99 @@ def test_a_refused_microphone_is_explained(denying_browser, server):
     message = page.wait_error()
     assert "Microphone access was refused" in message and "Start again" in message, message
     assert page.element("start").text == "Start" and active_sessions(server) == 0
+
+
+# Interims as a beam search sends them: (text, arrival ms, stability); the last a greedy decoder's.
+INTERIMS = [
+    ("the", 0, 0.5),
+    ("the can", 120, 0.5),
+    ("the cat", 260, 0.5),
+    ("the cat sat", 380, 0.5),
+    ("the cat sat on", 900, 0.5),
+    ("the cat sat on a", 950, 0.5),
+    ("a cat", 1000, 0.5),
+    ("a cat sat", 1700, 1.0),
+]
+
+
+def test_the_pages_interim_rule_is_the_terminal_captioners(denying_browser, server):
+    """stable.js and clients/caption.py's StableInterim show the same words at the same times."""
+    from clients.caption import HOLD_MS, StableInterim
+
+    # Each interim's rule probed every 50 ms until the next interim arrives.
+    ends_ms = [at_ms for _, at_ms, _ in INTERIMS[1:]] + [2500]
+    probes_ms = [
+        [t for t in range(0, 2500, 50) if at_ms <= t < end_ms]
+        for (_, at_ms, _), end_ms in zip(INTERIMS, ends_ms, strict=True)
+    ]
+    python = []
+    rule = StableInterim(HOLD_MS)
+    for (text, at_ms, stability), probes in zip(INTERIMS, probes_ms, strict=True):
+        rule.update(text, at_ms, stability)
+        python.append([[rule.shown(t), rule.next_reveal_ms(t)] for t in probes])
+    Page(denying_browser, server.http_url)
+    page = denying_browser.execute_async_script(
+        """
+        const [interims, probes, done] = arguments;
+        import(new URL("static/stable.js", location.href).href).then(({ HOLD_MS, StableInterim }) => {
+          const rule = new StableInterim(HOLD_MS);
+          const out = [];
+          interims.forEach(([text, at, stability], i) => {
+            rule.update(text, at, stability);
+            out.push(probes[i].map((t) => [rule.shown(t), rule.nextRevealMs(t)]));
+          });
+          done({ hold: HOLD_MS, out });
+        }, (err) => done({ error: String(err) }));
+        """,
+        INTERIMS,
+        probes_ms,
+    )
+    assert "error" not in page, page
+    assert page["hold"] == HOLD_MS
+    assert page["out"] == python
+    # What the rule does: "the" shows once it has lasted, "the cat" once "cat" has; "can" and "on" never do
+    # (revised within the hold); "a cat" replaces the words on show at once, not blanking them; a greedy
+    # interim shows whole at once.
+    shown = {
+        t: text
+        for probes, row in zip(probes_ms, python, strict=True)
+        for t, (text, _) in zip(probes, row, strict=True)
+    }
+    assert shown[350] == "" and shown[400] == "the" and shown[650] == "the" and shown[700] == "the cat"
+    assert shown[900] == shown[950] == "the cat sat" and shown[1000] == "a cat" and shown[1700] == "a cat sat"
+    assert not {"can", "on"} & {word for row in python for text, _ in row for word in text.split()}
+
+
+def test_the_readouts_stay_put_whatever_the_status_says(denying_browser, server):
+    """The Mic and latency readouts keep their place however long the status is and whatever the values."""
+    Page(denying_browser, server.http_url)
+    places = set()
+    for status, kind, value in [
+        ("Press Start and allow the microphone.", "idle", "–"),
+        ("Listening: speak now.", "live", "3.2 ms"),
+        ("Connecting to 127.0.0.1:8080…", "info", "87 ms"),
+        ("The server reported an error: " + "a long explanation " * 6, "error", "1234 ms"),
+    ]:
+        places.add(
+            tuple(
+                denying_browser.execute_script(
+                    """
+                    const [text, kind, value] = arguments;
+                    const status = document.getElementById("status");
+                    status.textContent = text;
+                    status.dataset.kind = kind;
+                    document.getElementById("latency-server").textContent = value;
+                    document.getElementById("latency-lag").textContent = value;
+                    const box = (id) => document.getElementById(id).getBoundingClientRect();
+                    return [box("level").x, box("level").y, box("latency").x, box("latency").y];
+                    """,
+                    status,
+                    kind,
+                    value,
+                )
+            )
+        )
+    assert len(places) == 1, places
 
 
 def tone_gains(driver: webdriver.Chrome, from_hz: int, to_hz: int, tones_hz: list[int]) -> dict[str, list]:

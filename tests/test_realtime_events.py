@@ -76,6 +76,8 @@ def test_a_commit_after_the_server_committed_the_speech_is_answered(server, trai
     assert late["error"]["event_id"] == "late"
     kinds = [e["type"] for e in after]
     assert "input_audio_buffer.committed" in kinds, kinds
+    deltas = [e for e in after if e["type"].endswith(".delta")]
+    assert deltas and all(0 < e["stability"] <= 1 for e in deltas), deltas  # for the clients' display rule
     committed = next(e for e in after if e["type"] == "input_audio_buffer.committed")
     assert committed["item_id"] == after[-1]["item_id"]
     assert again["type"] == "error" and again["error"]["code"] == "input_audio_buffer_commit_empty", again

@@ -17,7 +17,8 @@ the text of all of it.
 Deltas: each ``delta`` extends the item's text, as OpenAI's do, while the interim only grows (greedy
 decoding; beam search until it revises a word). When an interim revises earlier text, the delta event
 carries ``"replace": true`` and ``delta`` is the whole new text. Every delta also carries ``transcript``, the
-item's whole text so far, and ``latency`` (the server's timings, as in the native ``Latency``).
+item's whole text so far, ``stability`` (the native result's: 1.0 when the text only grows) and ``latency``
+(the server's timings, as in the native ``Latency``).
 """
 
 from __future__ import annotations
@@ -353,6 +354,7 @@ class _Buffer:
                 "content_index": 0,
                 "delta": text[len(self.text) :] if grows else text,
                 "transcript": text,
+                "stability": round(result.stability, 3),
                 "latency": self._latency(latency),
             }
             if not grows:

@@ -5,6 +5,11 @@
 // first trades it for a one-time client secret (POST /v1/realtime/client_secrets) and opens the socket
 // with it. The server's events: deltas rewrite the live line, `completed` appends a final with its time;
 // the finals download as WebVTT. Stop: the utterance in progress is committed and its final awaited.
+// The live line shows an interim's words once they have stood unchanged for HOLD_MS (stable.js), so a beam
+// search's revisions of its newest words are rarely seen. The token field shows only on a server that
+// asks for a token (GET v1/models answers 401 without one).
+
+import { StableInterim } from "./stable.js";
 
 const SESSION_RATE_HZ = 16000;
 const BATCH_MS = 20;
@@ -16,8 +21,10 @@ const TOKEN_KEY = "cosystream.token";
 const ROOT = new URL("../", import.meta.url); // the server's root, wherever the page is mounted
 
 const ui = {
+  controls: document.getElementById("controls"),
   start: document.getElementById("start"),
   token: document.getElementById("token"),
+  tokenField: document.getElementById("token-field"),
   status: document.getElementById("status"),
   level: document.getElementById("level"),
   latencyServer: document.getElementById("latency-server"),
@@ -126,6 +133,26 @@ class Transcript {
   }
 }
 
+/** Shows the token field (the server asks for a token) or hides it; the tests read `data-token`. */
+function askForToken(needed) {
+  ui.tokenField.hidden = !needed;
+  ui.controls.dataset.token = needed ? "needed" : "none";
+}
+
+/** Learns whether the server needs a token: its API answers 401 to a request without one. */
+async function probeToken() {
+  try {
+    const response = await fetch(new URL("v1/models", ROOT), { cache: "no-store" });
+    askForToken(response.status === 401);
+  } catch {
+    askForToken(false); // unreachable: Start will say so
+  }
+}
+
+function tokenValue() {
+  return ui.tokenField.hidden ? "" : ui.token.value.trim();
+}
+
 function unreachable() {
   return `The server at ${ROOT.host} is unreachable. Check that it is running, then press Start again.`;
 }
@@ -152,6 +179,8 @@ class Session {
     this.marks = []; // {endMs, at}: when each batch reached the page, for the delay readout
     this.markHead = 0;
     this.item = null; // the utterance in progress
+    this.interim = new StableInterim();
+    this.revealTimer = null;
     this.lastError = null;
     this.completedWaiter = null;
   }
@@ -211,7 +240,7 @@ class Session {
   }
 
   async clientSecret() {
-    const token = ui.token.value.trim();
+    const token = tokenValue();
     const headers = { "Content-Type": "application/json" };
     if (token) headers.Authorization = `Bearer ${token}`;
     let response;
@@ -230,6 +259,7 @@ class Session {
     if (response.status === 401) {
       // The server's first clause says why; the rest tells API clients how to send a token.
       const why = message.split(": ")[0];
+      askForToken(true);
       throw new PageError(
         token
           ? `The server refused the access token: ${why}. Check it, then press Start again.`
@@ -334,17 +364,17 @@ class Session {
       case "input_audio_buffer.speech_stopped":
         delete ui.partial.dataset.speaking;
         break;
-      case "conversation.item.input_audio_transcription.delta":
-        follow(() => {
-          if (typeof event.transcript === "string") ui.partial.textContent = event.transcript;
-          else if (event.replace) ui.partial.textContent = event.delta;
-          else ui.partial.textContent += event.delta;
-          if (ui.partial.textContent) ui.empty.hidden = true;
-        });
+      case "conversation.item.input_audio_transcription.delta": {
+        let text = event.transcript;
+        if (typeof text !== "string") text = event.replace ? event.delta : this.interim.words.join(" ") + event.delta;
+        this.interim.update(text, performance.now(), event.stability ?? 0);
+        this.showInterim();
         this.showLatency(event.latency);
         break;
+      }
       case "conversation.item.input_audio_transcription.completed": {
         const text = (event.transcript || "").trim();
+        this.dropInterim();
         follow(() => {
           ui.partial.textContent = "";
           delete ui.partial.dataset.speaking;
@@ -365,6 +395,28 @@ class Session {
       default:
         break;
     }
+  }
+
+  /** The live line: the interim's settled words; a timer shows held words as they come due. */
+  showInterim() {
+    clearTimeout(this.revealTimer);
+    this.revealTimer = null;
+    const now = performance.now();
+    const text = this.interim.shown(now);
+    if (text !== ui.partial.textContent) {
+      follow(() => {
+        ui.partial.textContent = text;
+        if (text) ui.empty.hidden = true;
+      });
+    }
+    const due = this.interim.nextRevealMs(now);
+    if (due !== null) this.revealTimer = setTimeout(() => this.showInterim(), Math.max(0, due - now));
+  }
+
+  dropInterim() {
+    clearTimeout(this.revealTimer);
+    this.revealTimer = null;
+    this.interim.reset();
   }
 
   showLatency(latency) {
@@ -442,6 +494,7 @@ class Session {
     if (this.ended) return;
     this.ended = true;
     this.queued = [];
+    this.dropInterim();
     ui.partial.textContent = "";
     delete ui.partial.dataset.speaking;
     this.onEnd(this);
@@ -457,6 +510,8 @@ function showRunning(running) {
   ui.token.disabled = running;
 }
 
+probeToken();
+
 document.getElementById("controls").addEventListener("submit", async (event) => {
   event.preventDefault();
   if (session) {
@@ -465,9 +520,11 @@ document.getElementById("controls").addEventListener("submit", async (event) => 
     ui.start.disabled = false;
     return;
   }
-  const token = ui.token.value.trim();
-  if (token) sessionStorage.setItem(TOKEN_KEY, token);
-  else sessionStorage.removeItem(TOKEN_KEY);
+  if (!ui.tokenField.hidden) {
+    const token = tokenValue();
+    if (token) sessionStorage.setItem(TOKEN_KEY, token);
+    else sessionStorage.removeItem(TOKEN_KEY);
+  }
   const current = new Session(transcript, (ended) => {
     if (session === ended) session = null;
     showRunning(false);
