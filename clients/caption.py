@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ except ModuleNotFoundError as err:  # not the Python cosystream is installed in:
 MIC_RATE_HZ = 16000
 BLOCK_MS = 10
 CUE_LINE_CHARS = 42  # the usual subtitle line length
+HOLD_MS = 400
+"""An interim word is shown once it has stood unchanged this long (``StableInterim``); benchmarks/flicker.py
+measured the choice (docs/CLIENTS.md)."""
 
 
 class CaptionError(Exception):
@@ -75,8 +79,11 @@ class CaptionConfig:
     connect_timeout_s: float = 5.0
     connection: Connection = field(default_factory=Connection)  # TLS and token (--tls, --ca-cert, --token...)
     drain_timeout_s: float = 10.0
+    hold_ms: float = HOLD_MS  # interim words are shown once unchanged this long (0: as they come)
 
     def __post_init__(self) -> None:
+        if self.hold_ms < 0:
+            raise ValueError("--hold-ms must be 0 or more")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be positive")
         if self.connect_timeout_s <= 0 or self.drain_timeout_s <= 0:
@@ -208,13 +215,87 @@ class LiveDisplay(PlainDisplay):
             self.out.flush()
 
 
-class Captions:
-    """Turns the server's responses into display updates and subtitle cues (one cue per final with text)."""
+class StableInterim:
+    """The interim as a caption shows it: the longest prefix of its words each of which has stood unchanged
+    (the same word after the same words) for ``hold_ms``, and never fewer words than were on show: a revised
+    word already on screen is replaced at once rather than blanked. A beam search's interim may revise its
+    newest words ("the can" -> "the cat"); holding them back until they have lasted hides most revisions,
+    at the cost of showing each word ``hold_ms`` later. An interim whose ``stability`` is 1.0 (greedy
+    decoding: it only grows) is shown whole at once. The page's stable.js is the same rule (docs/CLIENTS.md)."""
 
-    def __init__(self, display: PlainDisplay, writers: list[SubtitleWriter]):
+    def __init__(self, hold_ms: float = HOLD_MS):
+        self.hold_ms = hold_ms
+        self._words: list[str] = []
+        self._since_ms: list[float] = []  # per word: when it took its current form (non-decreasing)
+        self._on_show = 0  # words on show when the interim came: they stay on show
+
+    def _settled(self, now_ms: float) -> int:
+        settled_ms, count = now_ms - self.hold_ms, 0
+        while count < len(self._words) and self._since_ms[count] <= settled_ms:
+            count += 1
+        return max(count, self._on_show)
+
+    def update(self, text: str, now_ms: float, stability: float = 0.0) -> None:
+        """A new interim at ``now_ms``; words it keeps keep their age."""
+        words = text.split()
+        self._on_show = min(self._settled(now_ms), len(words))
+        kept = 0
+        while kept < min(len(words), len(self._words)) and words[kept] == self._words[kept]:
+            kept += 1
+        if stability >= 1.0:  # it only grows: every word counts as settled
+            self._since_ms = [-float("inf")] * len(words)
+        else:
+            self._since_ms = self._since_ms[:kept] + [now_ms] * (len(words) - kept)
+        self._words = words
+
+    def shown(self, now_ms: float) -> str:
+        """The words to show at ``now_ms``."""
+        return " ".join(self._words[: self._settled(now_ms)])
+
+    def next_reveal_ms(self, now_ms: float) -> float | None:
+        """When the next held word is due to be shown (None: none is held)."""
+        count = self._settled(now_ms)
+        return self._since_ms[count] + self.hold_ms if count < len(self._words) else None
+
+    def reset(self) -> None:
+        self._words, self._since_ms, self._on_show = [], [], 0
+
+
+class Captions:
+    """Turns the server's responses into display updates and subtitle cues (one cue per final with text).
+
+    Interims go through :class:`StableInterim` (``hold_ms`` 0: shown as they come); a held word is shown when
+    it is due, by a timer on the running loop, or at the next response when no loop runs."""
+
+    def __init__(self, display: PlainDisplay, writers: list[SubtitleWriter], hold_ms: float = HOLD_MS):
         self.display, self.writers = display, writers
         self.finals = 0
         self.cues = 0
+        self.interim = StableInterim(hold_ms)
+        self._start_ms = 0
+        self._shown = ""
+        self._timer: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    def _now_ms() -> float:
+        return time.monotonic() * 1000
+
+    def _show(self) -> None:
+        self._timer = None
+        now_ms = self._now_ms()
+        text = self.interim.shown(now_ms)
+        if text != self._shown:
+            self._shown = text
+            self.display.partial(self._start_ms, text)
+        due_ms = self.interim.next_reveal_ms(now_ms)
+        if due_ms is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: the next response shows it
+                self._timer = asyncio.get_running_loop().call_later((due_ms - now_ms) / 1000, self._show)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def handle(self, response: pb.StreamingRecognizeResponse) -> None:
         event = response.speech_event
@@ -222,8 +303,14 @@ class Captions:
             self.display.partial(event.offset_ms, "")
         for result in response.results:
             if not result.is_final:
-                self.display.partial(result.start_ms, result.transcript)
+                self._cancel_timer()
+                self._start_ms = result.start_ms
+                self.interim.update(result.transcript, self._now_ms(), result.stability)
+                self._show()
                 continue
+            self._cancel_timer()
+            self.interim.reset()
+            self._shown = ""
             self.finals += 1
             text = " ".join(result.transcript.split())
             if not text:  # a cough or a click: nothing to caption
@@ -436,7 +523,7 @@ async def caption(config: CaptionConfig, display: PlainDisplay) -> Captions:
         for path, kind in ((config.vtt, "vtt"), (config.srt, "srt")):
             if path is not None:
                 writers.append(SubtitleWriter(path, kind))
-        captions = Captions(display, writers)
+        captions = Captions(display, writers, config.hold_ms)
         captioner = Captioner(config, source, captions)
         loop = asyncio.get_running_loop()
         main_task = asyncio.current_task()
@@ -484,6 +571,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds of audio")
     parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="give up connecting after this long")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0, help="wait for the last final this long")
+    parser.add_argument(
+        "--hold-ms",
+        type=float,
+        default=HOLD_MS,
+        help="show an interim word once it has stood unchanged this long; 0 shows interims as they come "
+        "(default: %(default)g)",
+    )
     add_connection_args(parser)
     return parser.parse_args(argv)
 
@@ -499,6 +593,7 @@ def parse_config(args: argparse.Namespace) -> CaptionConfig:
         duration_s=args.duration,
         connect_timeout_s=args.connect_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        hold_ms=args.hold_ms,
         connection=connection_from_args(args),
     )
 

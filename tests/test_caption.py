@@ -7,6 +7,7 @@ spans where the speech is in the audio), never the words.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes.util
 import io
 import os
@@ -162,6 +163,43 @@ def test_live_display_rewrites_the_partial_in_place():
     assert screen.endswith("\r\x1b[2K\x1b[1m[00:00:01.000 --> 00:00:02.500]\x1b[0m hello there\n")
     assert screen.count("\n") == 1, "only finals are committed"
     assert err.getvalue() == "caption: note\n"
+
+
+class ShownPartials(caption.PlainDisplay):
+    """Records each partial the captions show."""
+
+    def __init__(self):
+        super().__init__(io.StringIO(), io.StringIO())
+        self.shown: list[str] = []
+
+    def partial(self, start_ms: int, text: str) -> None:
+        self.shown.append(text)
+
+
+def interim(text: str, stability: float = 0.5) -> pb.StreamingRecognizeResponse:
+    return pb.StreamingRecognizeResponse(results=[pb.StreamingResult(transcript=text, stability=stability)])
+
+
+def test_interims_are_shown_once_their_words_have_lasted():
+    """A beam search's revision within the hold is never shown; the words that last appear by a timer,
+    with no further response; a greedy interim (stability 1.0) and --hold-ms 0 show at once."""
+
+    async def run(hold_ms: float) -> list[str]:
+        display = ShownPartials()
+        captions = caption.Captions(display, [], hold_ms=hold_ms)
+        captions.handle(interim("the can"))
+        await asyncio.sleep(0.05)
+        captions.handle(interim("the cat"))  # "can" revised well within the hold
+        await asyncio.sleep(hold_ms / 1000 + 0.3)  # nothing arrives: the timer shows what lasted
+        captions.handle(interim("the cat sat on", stability=1.0))
+        final = pb.StreamingResult(transcript="the cat sat on it", is_final=True, end_ms=900)
+        captions.handle(pb.StreamingRecognizeResponse(results=[final]))
+        await asyncio.sleep(hold_ms / 1000 + 0.1)  # and nothing is shown after the final
+        return display.shown
+
+    held = asyncio.run(run(1000))  # (long enough that a loaded box's sleep(0.05) stays well within it)
+    assert held == ["the", "the cat", "the cat sat on"], held
+    assert asyncio.run(run(0)) == ["the can", "the cat", "the cat sat on"]
 
 
 def test_empty_finals_make_no_cue(tmp_path):
