@@ -17,4 +17,4 @@ class HttpConfig:
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     max_upload_audio_s: float = 3600.0  # a longer file is refused with 400 before it is decoded (its header says)
-    ws_idle_timeout_s: float = 60.0  # a Realtime WebSocket with no client event this long: error, then close 1000
+    ws_idle_timeout_s: float = 60.0  # a Realtime WebSocket with no event either way this long: error, close 1000

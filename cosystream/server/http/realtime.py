@@ -506,7 +506,7 @@ class RealtimeConnection:
             if left_s > 0:
                 await asyncio.sleep(left_s)
                 continue
-            message = f"no client event for {self.idle_timeout_s:g} s: the session is closed"
+            message = f"no event either way for {self.idle_timeout_s:g} s: the idle session is closed"
             log.info("realtime session %s: idle for %g s; closing", self.session_id, self.idle_timeout_s)
             self.error(message, "idle_timeout")
             self.close(1000, f"idle for {self.idle_timeout_s:g} s")
