@@ -7,8 +7,12 @@ Compiling costs 10-20 s per (bucket, T) key: the module compiles its 8 keys once
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -200,4 +204,94 @@ def test_the_cache_folder_from_the_environment(monkeypatch, tmp_path):
 
     monkeypatch.setattr(compiled.Path, "home", staticmethod(no_home))
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
-    assert compiled.default_cache_dir() == tmp_path / "cosystream" / "compiled-steps"
+    # Without a home: a folder of this user's own, never one shared by every user of the machine.
+    private = compiled.default_cache_dir()
+    assert private == tmp_path / f"cosystream-{os.getuid()}" / "compiled-steps"
+    assert compiled.CompiledSteps("fp", private).refused is None
+    for folder in (private, private.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+
+
+# --- the cache is trusted only as far as nobody else can write to it ------------------------------------
+
+KEY = (1, 1)
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[str]:
+    """The packages handed to AOTInductor's loader (a stand-in: these tests compile nothing)."""
+    import torch._inductor
+
+    loaded: list[str] = []
+
+    def load(path: str):
+        loaded.append(path)
+        return types.SimpleNamespace(loader=object())
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    return loaded
+
+
+def capture(steps: compiled.CompiledSteps) -> bool:
+    return steps.capture(KEY, torch.nn.Identity(), (torch.zeros(1),))
+
+
+def package_in(cache, vouched: bool) -> compiled.CompiledSteps:
+    """A cache holding a package for ``KEY`` (recorded in its index when ``vouched``), and steps on it that
+    compile nothing."""
+    steps = compiled.CompiledSteps("fp", cache, budget_s=0)
+    path = steps.path(KEY)
+    path.write_bytes(b"native code")
+    if vouched:
+        (cache / compiled.INDEX_FILE).write_text(json.dumps({path.name: compiled.file_digest(path)}))
+    return steps
+
+
+def test_a_package_the_index_vouches_for_is_loaded(tmp_path, loads):
+    steps = package_in(tmp_path, vouched=True)
+    assert capture(steps) and loads == [str(steps.path(KEY))] and steps.loaded == 1
+
+
+def test_a_planted_package_is_discarded_not_loaded(tmp_path, loads, caplog):
+    steps = package_in(tmp_path, vouched=False)
+    assert not capture(steps) and loads == [] and steps.skipped == 1
+    assert not steps.path(KEY).exists() and "not in the cache's index" in caplog.text
+
+
+def test_a_changed_package_is_discarded_not_loaded(tmp_path, loads, caplog):
+    steps = package_in(tmp_path, vouched=True)
+    steps.path(KEY).write_bytes(b"other native code")
+    assert not capture(steps) and loads == [] and not steps.path(KEY).exists()
+    assert "SHA-256 differs" in caplog.text
+
+
+@pytest.mark.parametrize("unsafe", ["group-writable", "other-writable", "foreign-owned", "foreign parent"])
+def test_a_cache_folder_others_can_write_is_not_used(tmp_path, loads, caplog, unsafe):
+    """Not even a package its index vouches for is loaded from it (the index is as writable as the
+    package), and nothing is written to it: every key runs eager."""
+    cache = tmp_path / "parent" / "cache"
+    cache.mkdir(parents=True, mode=0o700)
+    package_in(cache, vouched=True)
+    if unsafe == "group-writable":
+        cache.chmod(0o770)
+    elif unsafe == "other-writable":
+        cache.chmod(0o703)
+    elif unsafe == "foreign-owned":
+        os.chown(cache, 12345, 12345)
+    else:  # as a /tmp/cosystream-<uid> another user made first
+        os.chown(cache.parent, 12345, 12345)
+    before = sorted(p.name for p in cache.iterdir())
+    steps = compiled.CompiledSteps("fp", cache, budget_s=None)
+    assert steps.refused and not capture(steps) and loads == [] and steps.skipped == 1
+    steps.freeze()
+    assert sorted(p.name for p in cache.iterdir()) == before
+    assert "not used" in caplog.text and "runs eager" in caplog.text
+
+
+def test_a_sticky_shared_parent_such_as_tmp_is_fine(tmp_path, loads):
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "cache").mkdir(mode=0o700)
+    steps = package_in(shared / "cache", vouched=True)
+    assert steps.refused is None and capture(steps)

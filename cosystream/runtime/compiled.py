@@ -24,16 +24,27 @@ load in 4 s. The slab's slot count is a dynamic dimension, so one package serves
 Keys missing from the cache are compiled while the start-up budget lasts (none by default: ``serve
 --compile`` compiles every one, ``--compile-only`` does so and exits); the rest run eager. Each loaded key
 holds about 6 MB of packed weights.
+
+A package is native code the engine runs, so the cache is trusted only as far as nobody else can write to
+it: the folder is made 0700, and one owned by another user (root aside) or writable by group or others is
+not used at all (every key eager, with a warning; on a read-only mount only its owner is looked past); the
+fallback without a home is per user (``$TMPDIR/cosystream-<uid>``). Each package's SHA-256 is recorded in
+the cache's index (``index.json``) when it is written and checked before it is loaded: a package the index
+does not vouch for (planted, changed, or half-copied) is discarded and its key compiled again or run eager.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
@@ -53,7 +64,8 @@ CACHE_ENV = "COSYSTREAM_COMPILE_CACHE"
 
 def default_cache_dir() -> Path:
     """``$COSYSTREAM_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/cosystream/compiled-steps`` (``~/.cache``
-    without it)."""
+    without it); with no home at all, a folder of this user's own under the temporary directory (a shared
+    ``/tmp/cosystream`` would let another local user plant packages in it)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME")
@@ -61,10 +73,29 @@ def default_cache_dir() -> Path:
         try:
             base = str(Path.home() / ".cache")
         except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
-            import tempfile
-
-            base = tempfile.gettempdir()
+            return Path(tempfile.gettempdir()) / f"cosystream-{os.getuid()}" / "compiled-steps"
     return Path(base) / "cosystream" / "compiled-steps"
+
+
+def untrusted(directory: Path) -> str | None:
+    """Make ``directory`` (0700, and any missing parent) if it is missing; then why its packages cannot be
+    trusted, or None: it (or its parent) is owned by another user than this one or root, or can be written
+    by group or others (a sticky parent such as /tmp aside; a read-only mount's modes do not matter)."""
+    try:
+        for folder in (*reversed(directory.parents), directory):
+            if not folder.exists():
+                folder.mkdir(mode=0o700, exist_ok=True)
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+        for folder, leaf in ((directory, True), (directory.parent, False)):
+            info = os.stat(folder)
+            if info.st_uid not in (os.getuid(), 0) and not (leaf and read_only):
+                return f"{folder} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+            shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            if shared and not read_only and (leaf or not info.st_mode & stat.S_ISVTX):
+                return f"{folder} can be written by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    except OSError as err:
+        return f"cannot use it: {err}"
+    return None
 
 
 CACHE_MAX_BYTES = 2 << 30
@@ -78,6 +109,14 @@ INDUCTOR_CONFIGS = {"reorder_for_locality": False, "freezing": True}
 
 # The code a compiled step is made of, besides the model's own package: the runner's step, and this module.
 _STEP_MODULES = ("cosystream.runtime.runner", "cosystream.runtime.compiled")
+
+INDEX_FILE = "index.json"  # {package file name: its SHA-256}, written with each package
+_LOCK_FILE = ".index.lock"  # held while a package and its index entry are written, or checked
+
+
+def file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def compiler_missing() -> str | None:
@@ -123,6 +162,10 @@ class CompiledSteps:
         self._args: dict[Hashable, tuple[torch.Tensor, ...]] = {}
         self._frozen = False
         self._compiling = True  # until the first failure: then the cause is likely the same for every key
+        # Why the cache folder is not used (every key eager), or None.
+        self.refused = untrusted(self.cache_dir)
+        if self.refused:
+            log.warning("compile cache %s not used: %s; every shape runs eager", self.cache_dir, self.refused)
         self.loaded = 0  # keys found in the cache
         self.compiled = 0  # keys compiled by this process
         self.skipped = 0  # keys left eager: the budget was spent, or compiling failed
@@ -151,7 +194,16 @@ class CompiledSteps:
             raise RuntimeError(f"step compile after start-up (key {key!r}): every key is compiled at start-up")
         if key in self._loaders:
             raise ValueError(f"step {key!r} already compiled")
+        if self.refused:
+            self.skipped += 1
+            return False
         path = self.path(key)
+        if path.exists() and not self._vouched_for(path):
+            with contextlib.suppress(OSError):
+                path.unlink()  # (a read-only cache keeps it: the key then runs eager, its package unloaded)
+            if path.exists():
+                self.skipped += 1
+                return False
         if not path.exists():
             if not self._compiling or (self.budget_s is not None and self._spent_s >= self.budget_s):
                 self.skipped += 1
@@ -194,15 +246,65 @@ class CompiledSteps:
 
         with torch.no_grad():
             exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
-            path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
             try:
                 torch._inductor.aoti_compile_and_package(
                     exported, package_path=str(partial), inductor_configs=dict(INDUCTOR_CONFIGS)
                 )
-                os.replace(partial, path)  # atomic: a concurrent start sees the whole package or none
+                digest = file_digest(partial)
+                with self._locked(fcntl.LOCK_EX):
+                    os.replace(partial, path)  # atomic: a concurrent start sees the whole package or none
+                    self._update_index({path.name: digest})
             finally:
                 partial.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self, mode: int):
+        """The cache's lock (``LOCK_EX`` to write a package and its entry, ``LOCK_SH`` to check one); none
+        where there is no lock file and none can be made (a read-only cache: nothing writes it)."""
+        try:
+            fd = os.open(self.cache_dir / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
+
+    def _index(self) -> dict[str, str]:
+        try:
+            index = json.loads((self.cache_dir / INDEX_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return index if isinstance(index, dict) else {}
+
+    def _update_index(self, changes: dict[str, str | None]) -> None:
+        """Set (a digest) or remove (None) entries of the index, under the caller's exclusive lock."""
+        index = self._index()
+        for name, digest in changes.items():
+            if digest is None:
+                index.pop(name, None)
+            else:
+                index[name] = digest
+        partial = self.cache_dir / f".{INDEX_FILE}.{os.getpid()}"
+        partial.write_text(json.dumps(index, indent=0, sort_keys=True) + "\n")
+        os.replace(partial, self.cache_dir / INDEX_FILE)
+
+    def _vouched_for(self, path: Path) -> bool:
+        """Whether ``path``'s SHA-256 is the one the index recorded when it was written (warns if not)."""
+        with self._locked(fcntl.LOCK_SH):
+            expected = self._index().get(path.name)
+            try:
+                digest = file_digest(path)
+            except OSError:
+                digest = None
+        if expected is not None and digest == expected:
+            return True
+        why = "not in the cache's index" if expected is None else "its SHA-256 differs from the index's"
+        log.warning("compiled package %s discarded, not loaded: %s", path, why)
+        return False
 
     def drop(self, key: Hashable) -> None:
         """Forget ``key`` (it runs eager): for a package that failed the caller's check."""
@@ -226,12 +328,15 @@ class CompiledSteps:
 
     def _trim_cache(self) -> None:
         """Remove the least recently used packages past ``CACHE_MAX_BYTES`` (never one this process uses)."""
+        if self.refused:
+            return
         try:
             packages = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.cache_dir.glob("*.pt2")]
         except OSError:
             return
         total = sum(size for _, size, _ in packages)
         in_use = {self.path(key) for key in self._loaders}
+        removed: list[str] = []
         for _, size, path in sorted(packages):
             if total <= CACHE_MAX_BYTES:
                 break
@@ -239,6 +344,10 @@ class CompiledSteps:
                 with contextlib.suppress(OSError):
                     path.unlink()
                     total -= size
+                    removed.append(path.name)
+        if any(name in self._index() for name in removed):
+            with contextlib.suppress(OSError), self._locked(fcntl.LOCK_EX):
+                self._update_index(dict.fromkeys(removed))
 
     def replay(self, key: Hashable) -> torch.Tensor:
         """Run ``key``'s compiled step on its captured arguments; returns its output (a new tensor)."""
