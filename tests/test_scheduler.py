@@ -77,6 +77,9 @@ def test_config_checks():
         {"deadline_s": 0.0},
         {"batch_step_budget_s": -1.0},
         {"cost_ema_alpha": 0.0},
+        {"batch_min_duty": 0.0},
+        {"batch_max_duty": 0.5, "batch_min_duty": 0.6},
+        {"realtime_load_window_s": 0.0},
     ):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
