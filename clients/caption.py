@@ -41,6 +41,7 @@ try:
     from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
     from cosystream.v1.client import (
         Connection,
+        HelpFormatter,
         StreamStatus,
         add_connection_args,
         connection_from_args,
@@ -559,7 +560,7 @@ def install_sigint(loop: asyncio.AbstractEventLoop, handler: Callable[[], None])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--server", default="localhost:50051", type=server_address, help="host[:port] (default: %(default)s)"
     )

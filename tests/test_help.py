@@ -76,7 +76,9 @@ def test_the_top_level_help_names_what_serve_serves():
     assert "run the gRPC server" not in top and "HTTP" in top
 
 
-@pytest.mark.parametrize("script", ["clients/latency_probe.py", "clients/telephony_gateway.py"])
+@pytest.mark.parametrize(
+    "script", ["clients/latency_probe.py", "clients/telephony_gateway.py", "clients/caption.py"]
+)
 def test_clients_show_their_defaults(script):
     done = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
