@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # (adapter module, the client-wheel module it needs, the wheel's name on PyPI)
 ADAPTERS = (
-    ("google_speech", "google.cloud.speech_v1", "google-cloud-speech"),
+    ("google_recognize", "google.cloud.speech_v1", "google-cloud-speech"),
     ("riva_asr", "riva.client.proto.riva_asr_pb2", "nvidia-riva-client"),
 )
 
@@ -32,7 +32,8 @@ def _installed(module: str) -> bool:
 
 
 def add_compat_services(servicer: CosyStreamServicer, server: grpc.aio.Server) -> list[str]:
-    """Register every adapter whose client wheel is installed on ``server``; returns their service names."""
+    """Register every adapter whose client wheel is installed on ``server``; returns the service names they
+    serve."""
     names = []
     for adapter, needs, wheel in ADAPTERS:
         if not _installed(needs):
@@ -43,6 +44,8 @@ def add_compat_services(servicer: CosyStreamServicer, server: grpc.aio.Server) -
         except Exception:  # an installed but incompatible wheel must not take the native API down with it
             log.warning("%s protocol off: importing it with %s failed", adapter, wheel, exc_info=True)
             continue
-        names.append(module.add_to_server(servicer, server))
-        log.info("serving %s", names[-1])
+        served = module.add_to_server(servicer, server)
+        for name in (served,) if isinstance(served, str) else served:
+            names.append(name)
+            log.info("serving %s", name)
     return names

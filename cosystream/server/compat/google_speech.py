@@ -1,9 +1,8 @@
-"""``google.cloud.speech.v1.Speech/StreamingRecognize`` over the native servicer.
+"""``google.cloud.speech.v1.Speech/StreamingRecognize`` over the native servicer, and the config checks
+and result fields the whole-file methods (google_recognize.py, which serves the service) share with it.
 
 The messages are the google-cloud-speech wheel's own (its proto-plus types expose their protobuf classes
-through ``.pb()``). The wheel ships no service descriptor, so a one-service file that imports the wheel's
-message file is added to the default descriptor pool for reflection; it defines no message, so nothing is
-registered twice.
+through ``.pb()``).
 
 Mapping decisions (docs/COMPAT.md has the user-facing list):
   * exactly one of results / speech event per response; the ``error`` field is never used (errors end
@@ -27,12 +26,10 @@ from types import MappingProxyType
 
 import grpc
 from google.cloud.speech_v1.types import cloud_speech
-from google.protobuf import descriptor_pb2, descriptor_pool
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
-from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
 SERVICE_NAME = "google.cloud.speech.v1.Speech"
@@ -47,7 +44,10 @@ _ENCODINGS = {
     RecognitionConfig.LINEAR16: AudioEncoding.LINEAR16,
     RecognitionConfig.MULAW: AudioEncoding.MULAW,
 }
-_ENCODING_NAMES = {  # for messages (A-law can only come from a WAV header)
+FILE_ENCODINGS = frozenset(
+    {RecognitionConfig.FLAC, RecognitionConfig.OGG_OPUS, RecognitionConfig.MP3}
+)  # whole-file requests only: decoded by their header (cosystream.audio.files)
+ENCODING_NAMES = {  # for messages (A-law can only come from a WAV header)
     AudioEncoding.UNSPECIFIED: "ENCODING_UNSPECIFIED",
     AudioEncoding.LINEAR16: "LINEAR16",
     AudioEncoding.MULAW: "MULAW",
@@ -63,39 +63,62 @@ _ENCODING_ENUM = RecognitionConfig.DESCRIPTOR.enum_types_by_name["AudioEncoding"
 _BAD = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFormat, pb.StreamingConfig]:
+    """The audio a ``RecognitionConfig`` declares and the native config it asks for; raises
+    :class:`CompatError` for one this server refuses. ``files``: a whole-file request, which may also
+    declare a file format (:data:`FILE_ENCODINGS`: decoded from its header)."""
+    if config.language_code.lower() not in ("", *LANGUAGES):
+        raise CompatError(_BAD, "Invalid recognition 'config': bad language code.")
+    if config.encoding not in _ENCODINGS and not (files and config.encoding in FILE_ENCODINGS):
+        name = _ENCODING_ENUM.values_by_number.get(config.encoding)
+        name = name.name if name is not None else str(config.encoding)
+        usable = "LINEAR16, MULAW, FLAC, OGG_OPUS or MP3" if files else "LINEAR16 or MULAW"
+        raise CompatError(
+            _BAD,
+            f"Invalid recognition 'config': encoding {name} is not supported by this server: "
+            f"use {usable}, or send a WAV file with the encoding unspecified",
+        )
+    if config.enable_separate_recognition_per_channel:
+        raise CompatError(
+            _BAD,
+            "Invalid recognition 'config': enable_separate_recognition_per_channel is not supported: "
+            "channels are mixed down to one",
+        )
+    declared = AudioFormat(
+        _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
+        config.sample_rate_hertz,
+        config.audio_channel_count,
+    )
+    model = info.model_index(config.model)  # None for Google's own names: the default, 0, as ""
+    native = pb.StreamingConfig(
+        enable_word_time_offsets=config.enable_word_time_offsets or config.enable_word_confidence,
+        model=info.models[model].name if model else "",
+    )
+    return declared, native
+
+
+def fill_final(alternative, native: pb.StreamingResult, word_time_offsets: bool, word_confidence: bool) -> None:
+    """A final's confidence and words on a Google ``SpeechRecognitionAlternative``."""
+    alternative.confidence = native.confidence
+    for word in native.words:
+        info = alternative.words.add(word=word.word)
+        if word_time_offsets:
+            info.start_time.FromMilliseconds(word.start_ms)
+            info.end_time.FromMilliseconds(word.end_ms)
+        if word_confidence:
+            info.confidence = word.confidence
+
+
 class GoogleTranslation(Translation):
-    encoding_names = _ENCODING_NAMES
+    encoding_names = ENCODING_NAMES
 
     def __init__(self, first, info: EngineInfo):
         if first is None or not first.HasField("streaming_config"):
             raise CompatError(_BAD, "Malordered Data Received. Send exactly one config, followed by audio data.")
         streaming = first.streaming_config
         config = streaming.config
-        if config.language_code.lower() not in ("", *LANGUAGES):
-            raise CompatError(_BAD, "Invalid recognition 'config': bad language code.")
-        if config.encoding not in _ENCODINGS:
-            name = _ENCODING_ENUM.values_by_number.get(config.encoding)
-            name = name.name if name is not None else str(config.encoding)
-            raise CompatError(
-                _BAD,
-                f"Invalid recognition 'config': encoding {name} is not supported by this server: "
-                "use LINEAR16 or MULAW, or send a WAV file with the encoding unspecified",
-            )
-        if config.enable_separate_recognition_per_channel:
-            raise CompatError(
-                _BAD,
-                "Invalid recognition 'config': enable_separate_recognition_per_channel is not supported: "
-                "channels are mixed down to one",
-            )
-        self.declared = AudioFormat(
-            _ENCODINGS[config.encoding], config.sample_rate_hertz, config.audio_channel_count
-        )
-        model = info.model_index(config.model)  # None for Google's own names: the default, 0, as ""
-        self.native_config = pb.StreamingConfig(
-            interim_results=streaming.interim_results,
-            enable_word_time_offsets=config.enable_word_time_offsets or config.enable_word_confidence,
-            model=info.models[model].name if model else "",
-        )
+        self.declared, self.native_config = check_config(config, info)
+        self.native_config.interim_results = streaming.interim_results
         self.single_utterance = streaming.single_utterance
         self.voice_events = streaming.enable_voice_activity_events
         self.word_time_offsets = config.enable_word_time_offsets
@@ -125,14 +148,7 @@ class GoogleTranslation(Translation):
             result.result_end_time.FromMilliseconds(native.end_ms)
             alternative = result.alternatives.add(transcript=native.transcript)
             if native.is_final:
-                alternative.confidence = native.confidence
-                for word in native.words:
-                    info = alternative.words.add(word=word.word)
-                    if self.word_time_offsets:
-                        info.start_time.FromMilliseconds(word.start_ms)
-                        info.end_time.FromMilliseconds(word.end_ms)
-                    if self.word_confidence:
-                        info.confidence = word.confidence
+                fill_final(alternative, native, self.word_time_offsets, self.word_confidence)
                 self.done = self.single_utterance
             else:
                 result.stability = native.stability
@@ -145,44 +161,3 @@ class GoogleSpeechAdapter(StreamAdapter):
 
     def open(self, first) -> GoogleTranslation:
         return GoogleTranslation(first, self.servicer.info)
-
-
-def _add_service_descriptor() -> None:
-    """Put ``google.cloud.speech.v1.Speech`` (StreamingRecognize only) in the default pool, for reflection."""
-    pool = descriptor_pool.Default()
-    try:
-        pool.FindServiceByName(SERVICE_NAME)
-        return
-    except KeyError:
-        pass
-    request = Request.DESCRIPTOR
-    proto = descriptor_pb2.FileDescriptorProto(
-        name="cosystream/compat/google_cloud_speech_v1_service.proto",
-        package="google.cloud.speech.v1",
-        syntax="proto3",
-        dependency=[request.file.name],
-    )
-    proto.service.add(name="Speech").method.add(
-        name="StreamingRecognize",
-        input_type=f".{request.full_name}",
-        output_type=f".{Response.DESCRIPTOR.full_name}",
-        client_streaming=True,
-        server_streaming=True,
-    )
-    pool.Add(proto)
-
-
-def add_to_server(servicer: CosyStreamServicer, server: grpc.aio.Server) -> str:
-    """Serve the Google protocol on ``server``; returns the service name (for reflection and health)."""
-    _add_service_descriptor()
-    adapter = GoogleSpeechAdapter(servicer)
-    handlers = {
-        "StreamingRecognize": grpc.stream_stream_rpc_method_handler(
-            adapter.StreamingRecognize,
-            request_deserializer=Request.FromString,
-            response_serializer=Response.SerializeToString,
-        )
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-    return SERVICE_NAME
