@@ -7,12 +7,14 @@ the words.
 
 from __future__ import annotations
 
+import io
 import struct
 import wave
 
 import grpc
 import numpy as np
 import pytest
+import soundfile
 
 from cosystream.audio.codecs import MULAW_TO_INT16, AudioEncoding
 from cosystream.audio.wav import is_wav, parse_wav_header
@@ -190,6 +192,75 @@ def test_health_and_reflection(server):
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         listed = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         assert SERVICE in {s.name for r in listed for s in r.list_services_response.service}
+
+
+# --- offline Recognize through the Riva client ---------------------------------------------------------
+
+
+def offline_config(rate_hz=16000, encoding=Encoding.LINEAR_PCM, **config):
+    config.setdefault("language_code", "en-US")
+    return riva_client.RecognitionConfig(encoding=encoding, sample_rate_hertz=rate_hz, **config)
+
+
+def active_sessions(server) -> int:
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        return pb_grpc.CosyStreamStub(channel).GetServerInfo(pb.GetServerInfoRequest()).active_sessions
+
+
+@needs_espeak
+def test_offline_recognize_one_result_per_utterance(asr, server):
+    audio = np.concatenate([silence(0.3), speech(SENTENCE), silence(1.5), speech(OTHER), silence(0.5)])
+    config = offline_config(enable_word_time_offsets=True)
+    response = asr.offline_recognize(encode(audio, "LINEAR16"), config)
+    assert len(response.results) == 2, response
+    processed = [result.audio_processed for result in response.results]
+    assert 0 < processed[0] < processed[1] <= len(audio) / 16000 + 0.1, "float seconds, the utterance's end"
+    for result in response.results:
+        (alternative,) = result.alternatives
+        assert [w.word for w in alternative.words] == alternative.transcript.split()
+        assert all(0 <= w.start_time < w.end_time for w in alternative.words), "int32 ms offsets"
+        assert list(alternative.language_code) == ["en-US"]
+    streamed = list(asr.streaming_response_generator(chunks(encode(audio, "LINEAR16")), streaming_config()))
+    finals = [r.results[0].alternatives[0].transcript for r in streamed if r.results[0].is_final]
+    assert [r.alternatives[0].transcript for r in response.results] == finals, "the same words as a stream"
+    assert active_sessions(server) == 0
+
+
+@needs_espeak
+def test_offline_recognize_a_wav_file_as_riva_s_file_client_sends_it(asr, tmp_path):
+    """transcribe_file_offline.py sends the file's bytes, header included, with the file's rate and channels."""
+    path = tmp_path / "speech.wav"
+    write_wav(
+        path, np.concatenate([silence(0.3, 8000), speech(SENTENCE, rate_hz=8000), silence(0.5, 8000)]), 8000, 2
+    )
+    config = offline_config(rate_hz=0)
+    riva_client.add_audio_file_specs_to_config(config, path)
+    response = asr.offline_recognize(path.read_bytes(), config)
+    assert len(response.results) == 1 and response.results[0].alternatives[0].transcript, response
+
+
+@pytest.mark.parametrize(
+    ("config", "content", "match"),
+    [
+        ({"language_code": "de-DE"}, bytes(3200), "type=offline"),
+        ({"encoding": Encoding.FLAC, "rate_hz": 0}, b"fLaC" + bytes(300), "the audio content"),
+        ({}, b"", "empty"),
+        ({"encoding": Encoding.FLAC, "rate_hz": 0}, "FLAC-3601-s", "3601.0 s long"),  # by its header
+    ],
+)
+def test_offline_recognize_refusals_are_invalid_argument(asr, server, config, content, match):
+    if content == "FLAC-3601-s":
+        buffer = io.BytesIO()
+        soundfile.write(buffer, np.zeros(8000 * 3601, np.int16), 8000, format="FLAC")
+        content = buffer.getvalue()
+    with pytest.raises(grpc.RpcError) as info:
+        asr.offline_recognize(content, offline_config(**config))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in info.value.details()
+    assert active_sessions(server) == 0
 
 
 # --- WAV headers and downmixing, no server ---------------------------------------------------------

@@ -1,5 +1,5 @@
-"""``nvidia.riva.asr.RivaSpeechRecognition`` (StreamingRecognize, GetRivaSpeechRecognitionConfig) over the
-native servicer, with the message classes the nvidia-riva-client wheel ships (``riva/client/proto``).
+"""``nvidia.riva.asr.RivaSpeechRecognition`` (StreamingRecognize, offline Recognize,
+GetRivaSpeechRecognitionConfig) over the native servicer, with the message classes the nvidia-riva-client wheel ships (``riva/client/proto``).
 
 Mapping decisions (docs/COMPAT.md has the user-facing list):
   * each native result becomes one response with one result and one alternative; speech events have no
@@ -9,7 +9,10 @@ Mapping decisions (docs/COMPAT.md has the user-facing list):
   * ``endpointing_config.stop_history`` (ms) becomes the native ``silence_ms`` (rounded up to 10 ms);
   * ``config.model`` names a served model (empty: the default); any other is Riva's "Unavailable model";
   * the request ``id`` of the first request is echoed on every response;
-  * status codes are the native ones (Riva's client does not retry).
+  * status codes are the native ones (Riva's client does not retry);
+  * offline ``Recognize`` runs the request's audio as one BATCH session (whole_file.py): raw LINEAR_PCM /
+    MULAW / ALAW, or a file (WAV header, FLAC, OGGOPUS) decoded by its header, up to
+    ``FileLimits.long_audio_s``; one result per utterance's final, ``audio_processed`` its end.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from riva.client.proto import riva_audio_pb2 as raudio
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.engine.ipc import EngineInfo
+from cosystream.server.auth import current_token
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
+from cosystream.server.compat.whole_file import FileLimits, open_content, recognize
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -35,6 +40,7 @@ _ENCODINGS = {
     raudio.MULAW: AudioEncoding.MULAW,
     raudio.ALAW: AudioEncoding.ALAW,
 }
+FILE_ENCODINGS = frozenset({raudio.FLAC, raudio.OGGOPUS})  # offline Recognize only: decoded by their header
 _ENCODING_NAMES = {
     AudioEncoding.UNSPECIFIED: "ENCODING_UNSPECIFIED",
     AudioEncoding.LINEAR16: "LINEAR_PCM",
@@ -45,14 +51,58 @@ _BAD = grpc.StatusCode.INVALID_ARGUMENT
 _FRAME_MS = 10
 
 
-def _unavailable_model(config) -> CompatError:
+def _unavailable_model(config, kind: str) -> CompatError:
     """Riva's wording for a language or model it does not serve."""
     model = f" model={config.model};" if config.model else ""
     return CompatError(
         _BAD,
         "Error: Unavailable model requested given these parameters: "
-        f"language_code={config.language_code}; sample_rate={config.sample_rate_hertz}; type=online;{model}",
+        f"language_code={config.language_code}; sample_rate={config.sample_rate_hertz}; type={kind};{model}",
     )
+
+
+def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFormat, pb.StreamingConfig]:
+    """The audio a Riva ``RecognitionConfig`` declares and the native config it asks for; raises
+    :class:`CompatError` for one this server refuses. ``files``: an offline ``Recognize``, which may also
+    declare FLAC or OGGOPUS (decoded by their header)."""
+    served = config.model == "" or any(m.name == config.model for m in info.models)
+    if config.language_code.lower() not in ("", LANGUAGE_CODE.lower()) or not served:
+        raise _unavailable_model(config, "offline" if files else "online")
+    if config.encoding not in _ENCODINGS and not (files and config.encoding in FILE_ENCODINGS):
+        known = raudio.AudioEncoding.DESCRIPTOR.values_by_number.get(config.encoding)
+        name = known.name if known is not None else config.encoding
+        usable = "LINEAR_PCM, MULAW, ALAW, FLAC or OGGOPUS" if files else "LINEAR_PCM, MULAW or ALAW"
+        raise CompatError(
+            _BAD,
+            f"encoding {name} is not supported: use {usable}, or send a WAV file with the encoding unspecified",
+        )
+    if config.enable_separate_recognition_per_channel:
+        raise CompatError(
+            _BAD, "enable_separate_recognition_per_channel is not supported: channels are mixed down to one"
+        )
+    declared = AudioFormat(
+        _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
+        config.sample_rate_hertz,
+        config.audio_channel_count,
+    )
+    endpointing = pb.EndpointingConfig()
+    if config.HasField("endpointing_config") and config.endpointing_config.stop_history > 0:
+        stop_ms = config.endpointing_config.stop_history
+        endpointing.silence_ms = -(-stop_ms // _FRAME_MS) * _FRAME_MS
+    native = pb.StreamingConfig(
+        enable_word_time_offsets=config.enable_word_time_offsets, endpointing=endpointing, model=config.model
+    )
+    return declared, native
+
+
+def fill_alternative(alternative, native: pb.StreamingResult) -> None:
+    """A result's transcript, confidence and words (int32 ms) on a Riva ``SpeechRecognitionAlternative``."""
+    alternative.transcript = native.transcript
+    alternative.confidence = native.confidence
+    for word in native.words:
+        alternative.words.add(
+            word=word.word, start_time=word.start_ms, end_time=word.end_ms, confidence=word.confidence
+        )
 
 
 class RivaTranslation(Translation):
@@ -62,35 +112,8 @@ class RivaTranslation(Translation):
         if first is None or not first.HasField("streaming_config"):
             raise CompatError(_BAD, "the first request must carry streaming_config, then audio_content")
         streaming = first.streaming_config
-        config = streaming.config
-        served = config.model == "" or any(m.name == config.model for m in info.models)
-        if config.language_code.lower() not in ("", LANGUAGE_CODE.lower()) or not served:
-            raise _unavailable_model(config)
-        if config.encoding not in _ENCODINGS:
-            known = raudio.AudioEncoding.DESCRIPTOR.values_by_number.get(config.encoding)
-            name = known.name if known is not None else config.encoding
-            raise CompatError(
-                _BAD,
-                f"encoding {name} is not supported: use LINEAR_PCM, MULAW or ALAW, "
-                "or send a WAV file with the encoding unspecified",
-            )
-        if config.enable_separate_recognition_per_channel:
-            raise CompatError(
-                _BAD, "enable_separate_recognition_per_channel is not supported: channels are mixed down to one"
-            )
-        self.declared = AudioFormat(
-            _ENCODINGS[config.encoding], config.sample_rate_hertz, config.audio_channel_count
-        )
-        endpointing = pb.EndpointingConfig()
-        if config.HasField("endpointing_config") and config.endpointing_config.stop_history > 0:
-            stop_ms = config.endpointing_config.stop_history
-            endpointing.silence_ms = -(-stop_ms // _FRAME_MS) * _FRAME_MS
-        self.native_config = pb.StreamingConfig(
-            interim_results=streaming.interim_results,
-            enable_word_time_offsets=config.enable_word_time_offsets,
-            endpointing=endpointing,
-            model=config.model,
-        )
+        self.declared, self.native_config = check_config(streaming.config, info)
+        self.native_config.interim_results = streaming.interim_results
         self.request_id = first.id if first.HasField("id") else None
 
     def translate(self, response: pb.StreamingRecognizeResponse) -> Iterator[rasr.StreamingRecognizeResponse]:
@@ -103,19 +126,49 @@ class RivaTranslation(Translation):
                 stability=native.stability,
                 audio_processed=response.latency.audio_processed_ms / 1000,
             )
-            alternative = result.alternatives.add(transcript=native.transcript, confidence=native.confidence)
-            for word in native.words:
-                alternative.words.add(
-                    word=word.word, start_time=word.start_ms, end_time=word.end_ms, confidence=word.confidence
-                )
+            fill_alternative(result.alternatives.add(), native)
             yield out
 
 
 class RivaAsrAdapter(StreamAdapter):
     translation = RivaTranslation
 
+    def __init__(self, servicer: CosyStreamServicer, limits: FileLimits | None = None):
+        super().__init__(servicer)
+        self.limits = limits or FileLimits()
+
     def open(self, first) -> Translation:
         return RivaTranslation(first, self.servicer.info)
+
+    async def Recognize(self, request, context):
+        """Offline recognition: ``audio`` (raw, or a file with its header) as one BATCH session; one result
+        per utterance's final, up to :attr:`FileLimits.long_audio_s` of audio."""
+        limit_s = self.limits.long_audio_s
+        try:
+            try:
+                declared, native = check_config(request.config, self.servicer.info, files=True)
+                audio = open_content(
+                    request.audio,
+                    declared,
+                    request.config.encoding in FILE_ENCODINGS,
+                    _ENCODING_NAMES,
+                    limit_s,
+                    f"Recognize takes up to {limit_s:g} s here: split it",
+                )
+            except CompatError:
+                self.servicer.metrics.rejected("invalid_argument")
+                raise
+            finals = await recognize(self.servicer, audio, native, current_token())
+        except CompatError as err:
+            await context.abort(err.code, err.message)
+        response = rasr.RecognizeResponse()
+        if request.HasField("id"):
+            response.id.CopyFrom(request.id)
+        for final in finals:
+            result = response.results.add(channel_tag=1, audio_processed=final.end_ms / 1000)
+            fill_alternative(result.alternatives.add(), final)
+            result.alternatives[0].language_code.append(LANGUAGE_CODE)
+        return response
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         """The models this server runs (or the one ``model_name`` names), the default first, in the shape
@@ -146,6 +199,11 @@ def add_to_server(servicer: CosyStreamServicer, server: grpc.aio.Server) -> str:
             adapter.StreamingRecognize,
             request_deserializer=rasr.StreamingRecognizeRequest.FromString,
             response_serializer=rasr.StreamingRecognizeResponse.SerializeToString,
+        ),
+        "Recognize": grpc.unary_unary_rpc_method_handler(
+            adapter.Recognize,
+            request_deserializer=rasr.RecognizeRequest.FromString,
+            response_serializer=rasr.RecognizeResponse.SerializeToString,
         ),
         "GetRivaSpeechRecognitionConfig": grpc.unary_unary_rpc_method_handler(
             adapter.GetRivaSpeechRecognitionConfig,
