@@ -255,3 +255,39 @@ def test_quota_refusals_are_resource_exhausted(client, server):
     assert len(list(operations.list_operations(name="", filter_=""))) == listed, "a refused operation is not kept"
     results = type(response := client.recognize(config=config(), audio=audio(content))).pb(response).results
     assert len(results) == 1, "the quota was given back"
+
+
+# --- the operation store's bounds, no server -------------------------------------------------------
+
+
+def test_the_store_is_bounded_in_count_and_time():
+    import asyncio
+
+    from cosystream.server.compat.bridge import CompatError
+    from cosystream.server.compat.operations import OperationLimits, OperationStore
+
+    now = [0.0]
+    store = OperationStore(OperationLimits(max_operations=2, retention_s=10.0), clock=lambda: now[0])
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def run(metadata):
+            await release.wait()
+            return operations_pb2.Operation(name="result")  # any message packs
+
+        first, second = store.start(operations_pb2.Operation(), run), store.start(operations_pb2.Operation(), run)
+        with pytest.raises(CompatError) as info:
+            store.start(operations_pb2.Operation(), run)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, "all held operations still run"
+        release.set()
+        await asyncio.gather(first.task, second.task)
+        assert first.operation.done and first.operation.response.Is(operations_pb2.Operation.DESCRIPTOR)
+        third = store.start(operations_pb2.Operation(), run)  # room made: the oldest finished one goes
+        assert [e.operation.name for e in store._entries.values()] == [second.operation.name, third.operation.name]
+        await third.task
+        now[0] = 10.5  # past the retention of both
+        store.start(operations_pb2.Operation(), run).task.cancel()
+        assert len(store) == 1
+
+    asyncio.run(scenario())
