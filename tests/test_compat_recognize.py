@@ -15,7 +15,7 @@ import soundfile
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from tests.servers import local_server_with
+from tests.servers import HeldStream, local_server, local_server_with
 from tests.speech import encode, needs_espeak, silence, speech
 from tests.test_http import heard
 
@@ -255,6 +255,26 @@ def test_quota_refusals_are_resource_exhausted(client, server):
     assert len(list(operations.list_operations(name="", filter_=""))) == listed, "a refused operation is not kept"
     results = type(response := client.recognize(config=config(), audio=audio(content))).pb(response).results
     assert len(results) == 1, "the quota was given back"
+
+
+def test_a_full_engine_is_resource_exhausted_and_the_slot_comes_back():
+    """Admission: with the engine's one slot held, Recognize fails with RESOURCE_EXHAUSTED and so does the
+    operation's result (the session was accepted, then refused by the engine)."""
+    content = encode(np.concatenate([silence(0.3), speech(SENTENCE), silence(0.5)]), "LINEAR16")
+    with local_server(max_sessions=1) as full, grpc.insecure_channel(full.address) as channel:
+        client = speech_v1.SpeechClient(transport=SpeechGrpcTransport(channel=channel))
+        held = HeldStream(pb_grpc.CosyStreamStub(channel))
+        next(iter(held.call.initial_metadata()), None)
+        try:
+            with pytest.raises(exceptions.ResourceExhausted):
+                client.recognize(config=config(), audio=audio(content))
+            operation = client.long_running_recognize(config=config(), audio=audio(content))
+            with pytest.raises(exceptions.ResourceExhausted):
+                operation.result(timeout=60)
+        finally:
+            held.close()
+        results = type(response := client.recognize(config=config(), audio=audio(content))).pb(response).results
+        assert len(results) == 1, "the slot came back"
 
 
 # --- the operation store's bounds, no server -------------------------------------------------------
