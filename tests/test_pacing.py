@@ -1,6 +1,6 @@
-"""REALTIME audio is consumed no faster than real time plus a burst; BATCH audio is not paced.
+"""REALTIME speech is consumed no faster than real time plus a burst; silence and BATCH audio are not paced.
 
-The bucket on its own with a fake clock; the session turning bytes into seconds for each encoding; then
+The bucket on its own with a fake clock; the session counting the speech it forwards, per encoding; then
 over real gRPC on loopback: a REALTIME client sending as fast as it can is slowed (by flow control, not an
 error, and every byte is transcribed), a BATCH client sending the same is not.
 """
@@ -21,6 +21,7 @@ from cosystream.engine.scheduler import Priority
 from cosystream.server.servicer import StreamOptions
 from cosystream.server.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
 from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1.client import encode_mulaw
 from tests.conftest import speech_like
 from tests.servers import local_server
 from tests.test_session import Clock, FakeEngine
@@ -70,9 +71,7 @@ def test_an_infinite_burst_never_paces_and_a_negative_one_is_refused():
         StreamOptions(realtime_burst_s=-1.0)
 
 
-@pytest.mark.parametrize(("encoding", "rate_hz", "bytes_per_sample"), [("LINEAR16", 16000, 2), ("MULAW", 8000, 1)])
-def test_session_counts_audio_seconds_of_its_encoding(encoding, rate_hz, bytes_per_sample):
-    clock = Clock()
+def _session(encoding: str, rate_hz: int, clock: Clock, pacer: AudioPacer | None) -> Session:
     config = SessionConfig(
         encoding=AudioEncoding[encoding],
         sample_rate_hz=rate_hz,
@@ -82,15 +81,32 @@ def test_session_counts_audio_seconds_of_its_encoding(encoding, rate_hz, bytes_p
         word_time_offsets=False,
     )
     engine = FakeEngine()
-    session = Session(
-        1, "s", config, CtcDecoder(["_", "a"]), engine, lambda r: None, clock=clock, pacer=AudioPacer(2.0, clock)
-    )
+    session = Session(1, "s", config, CtcDecoder(["_", "a"]), engine, lambda r: None, clock=clock, pacer=pacer)
     engine.session = session
-    second = bytes(rate_hz * bytes_per_sample)
-    assert session.feed_audio(second * 2, clock.now) == 0.0
-    assert session.feed_audio(second, clock.now) == pytest.approx(1.0)
-    unpaced = Session(1, "s", config, CtcDecoder(["_", "a"]), FakeEngine(), lambda r: None, clock=clock)
-    assert unpaced.feed_audio(second * 10, clock.now) == 0.0
+    return session
+
+
+@pytest.mark.parametrize(("encoding", "rate_hz"), [("LINEAR16", 16000), ("MULAW", 8000)])
+def test_session_paces_the_speech_it_forwards_in_seconds_of_its_encoding(encoding, rate_hz):
+    clock = Clock()
+    session = _session(encoding, rate_hz, clock, AudioPacer(2.0, clock))
+    audio = speech_like(3.0, seed=5, rate_hz=rate_hz)
+    data = encode_mulaw(audio) if encoding == "MULAW" else _linear16(audio)
+    # 3 s of speech at once: the VAD forwards nearly all of it (with its pre-roll), 1 s past the burst.
+    assert session.feed_audio(data, clock.now) == pytest.approx(1.0, abs=0.2)
+    unpaced = _session(encoding, rate_hz, clock, None)
+    assert unpaced.feed_audio(data * 3, clock.now) == 0.0
+
+
+def test_silence_is_not_paced():
+    """The engine never steps silence: a client may send it as fast as it likes."""
+    clock = Clock()
+    session = _session("LINEAR16", 16000, clock, AudioPacer(2.0, clock))
+    assert session.feed_audio(bytes(32000 * 60), clock.now) == 0.0  # a minute of silence at once
+
+
+def _linear16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype("<i2").tobytes()
 
 
 # --- over gRPC ---------------------------------------------------------------------------------------
@@ -107,7 +123,7 @@ def server():
 def _send_fast(stub, priority: int, chunk_bytes: int) -> tuple[float, list[pb.StreamingRecognizeResponse]]:
     """AUDIO_S of speech-like audio sent as fast as the stream takes it; (seconds to the last response,
     responses)."""
-    data = (np.clip(speech_like(AUDIO_S, seed=3), -1, 1 - 1 / 32768) * 32768).astype("<i2").tobytes()
+    data = _linear16(speech_like(AUDIO_S, seed=3))
 
     def requests():
         yield pb.StreamingRecognizeRequest(
@@ -143,7 +159,7 @@ def test_realtime_sender_is_paced_and_batch_is_not(stub, chunk_bytes):
 
 def test_cancel_while_paced_frees_the_slot(stub):
     """A client that hangs up while its stream is held back by pacing leaves no slot behind."""
-    data = bytes(int(AUDIO_S * 16000) * 2)
+    data = _linear16(speech_like(AUDIO_S, seed=4))
 
     def requests():
         yield pb.StreamingRecognizeRequest(

@@ -49,20 +49,22 @@ class SessionConfig:
 
 
 REALTIME_BURST_S = 2.0
-"""Audio a REALTIME stream may send ahead of real time (``serve --realtime-burst-s``): a client catching up
+"""Speech a REALTIME stream may send ahead of real time (``serve --realtime-burst-s``): a client catching up
 after a network hiccup of up to this long is not slowed; past it, its requests are read no faster than
 real time (see :class:`AudioPacer`)."""
 
 
 class AudioPacer:
-    """A token bucket over audio time: a REALTIME stream's audio is consumed at most at real time, plus
+    """A token bucket over audio time: a REALTIME stream's speech is consumed at most at real time, plus
     ``burst_s`` seconds ahead.
 
     Why: a REALTIME session is stepped before everything else, so one client sending 19x real time took the
     engine's realtime capacity from every other tenant (288 deadline misses in 30 s; another stream's paced
     p95 18 -> 82 ms). Pacing is backpressure, not loss: the reader stops reading the stream's requests until
     the wall clock catches up, gRPC (or TCP) flow control then slows the sender, and every byte is still
-    transcribed. ``burst_s = inf`` turns it off.
+    transcribed. ``burst_s = inf`` turns it off. What counts is the audio forwarded to the engine (speech
+    and its pre-roll): silence costs the engine nothing and its frontend ~15 us per 10 ms, so a client may
+    send it as fast as it likes (a Google client's 4 MB request of silence is not held for two minutes).
     """
 
     __slots__ = ("_clock", "_due_s", "burst_s")
@@ -153,7 +155,7 @@ class Session:
         model_version: str = "",
         pacer: AudioPacer | None = None,
     ):
-        """``pacer``: paces the audio of a REALTIME stream (``feed_audio`` says how long to wait); None: not
+        """``pacer``: paces the speech of a REALTIME stream (``feed_audio`` says how long to wait); None: not
         paced (BATCH streams, which use only what REALTIME leaves)."""
         self.key = key
         self.session_id = session_id
@@ -180,6 +182,7 @@ class Session:
         self._ctc = decoder
         self._actions: deque[tuple] = deque()
         self._queued_frames = 0  # frames in _actions, not yet sent
+        self._forwarded_frames = 0  # over the stream: frames decided for the engine (what pacing counts)
         self._utterance: _Utterance | None = None
         self._utterances = 0
         self._arrivals: deque[tuple[int, float]] = deque()  # (frames sent up to, receive time) per send
@@ -204,14 +207,15 @@ class Session:
 
     def feed_audio(self, chunk: bytes, received_s: float) -> float:
         """One audio chunk from the client, received at ``received_s`` (monotonic). Returns how many seconds
-        the caller waits before feeding more: 0 but for a paced stream ahead of real time past its burst."""
-        decoded = self._pcm.decode(chunk)
-        samples = self._resampler.process(decoded)  # a new array: the framer may keep views
+        the caller waits before feeding more: 0 but for a paced stream whose speech is ahead of real time past
+        its burst."""
+        forwarded = self._forwarded_frames
+        samples = self._resampler.process(self._pcm.decode(chunk))  # a new array: the framer may keep views
         self._frames(self._framer.push(samples, owned=True), received_s)
         self._pump()
         if self.pacer is None:
             return 0.0
-        return self.pacer.consume(len(decoded) / self.config.sample_rate_hz)
+        return self.pacer.consume((self._forwarded_frames - forwarded) * FRAME_MS / 1000)
 
     def finalize(self) -> None:
         """Client FINALIZE: end the current utterance now."""
@@ -251,6 +255,7 @@ class Session:
             frames = current if one else self._ring.last(decision.forward_frames)
             self._actions.append((_FRAMES, frames, received_s))
             self._queued_frames += len(frames)
+            self._forwarded_frames += len(frames)
         if decision.ended:
             self._actions.append((_END, decision, received_s))
 
