@@ -61,7 +61,7 @@ class StreamOptions:
     max_in_flight_frames: int = 128
     # Responses queued for a client that does not read them, before its requests stop being read.
     max_queued_responses: int = DEFAULT_MAX_ITEMS
-    # A REALTIME stream's audio is read at most at real time plus this much ahead (inf: unpaced).
+    # A REALTIME stream's speech is read at most at real time plus this much ahead (inf: unpaced).
     realtime_burst_s: float = REALTIME_BURST_S
     default_endpointing: EndpointingConfig = field(default_factory=EndpointingConfig)
     frontends: int = 1
