@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,12 +11,14 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import cosystream.models
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import HeldStream, Served, serve_argv
@@ -157,6 +160,9 @@ def test_server_info_counts_the_sessions_of_every_frontend(served):
         time.sleep(0.2)
 
 
+DEFAULT_MODEL = Path(cosystream.models.__file__).with_name("default")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -164,11 +170,14 @@ def test_server_info_counts_the_sessions_of_every_frontend(served):
         (["--lm", "MISSING"], "no such file"),
         (["--decoder", "beam", "--model", "EMPTY"], "beam decoding needs a language model"),
         (["--beam-size", "0"], "--beam-size must be >= 1"),
+        (["--realtime-burst-s", "-1"], "realtime_burst_s must be >= 0"),
     ],
 )
 def test_serve_refuses_a_bad_decoder_setup_with_one_line(tmp_path, args, message):
     (tmp_path / "bad.arpa").write_text("this is not a language model\n")
-    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty").mkdir()  # a model without a language model: the default one's files, less its LM
+    for name in ("config.json", "vocabulary.json", "model.safetensors"):
+        shutil.copy(DEFAULT_MODEL / name, tmp_path / "empty" / name)
     paths = {"BAD": tmp_path / "bad.arpa", "MISSING": tmp_path / "missing.arpa", "EMPTY": tmp_path / "empty"}
     args = [str(paths.get(a, a)) for a in args]
     run = subprocess.run(

@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--realtime-burst-s",
         type=float,
         default=None,
-        help="audio a REALTIME stream may send ahead of real time; past it its requests are read at real time "
+        help="speech a REALTIME stream may send ahead of real time; past it its requests are read at real time "
         "(backpressure, nothing dropped; default: 2; inf: unpaced)",
     )
     serve.add_argument(
@@ -689,6 +689,41 @@ def serve(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)  # (the metrics folder too, whatever the exit)
 
 
+def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, decoder, decoders):
+    """The frontends' config from the flags; ``ValueError`` from a config's own checks."""
+    from cosystream.server.frontend import FrontendConfig
+    from cosystream.server.http import HttpConfig
+    from cosystream.server.servicer import StreamOptions
+
+    return FrontendConfig(
+        **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
+        tls=tls,
+        auth_tokens=auth_tokens,
+        admin=args.admin,
+        http=None
+        if not args.http_port
+        else HttpConfig(
+            **given(
+                host=args.host,
+                max_upload_bytes=None if args.max_upload_mb is None else int(args.max_upload_mb * 1e6),
+                idle_timeout_s=args.http_idle_timeout_s,
+                allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins.split(",")),
+                allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts.split(",")),
+                max_upload_audio_s=args.max_upload_audio_s,
+                ws_idle_timeout_s=args.ws_idle_timeout_s,
+            ),
+            port=args.http_port,
+        ),
+        stream=StreamOptions(
+            **given(idle_timeout_s=args.idle_timeout_s, realtime_burst_s=args.realtime_burst_s),
+            default_endpointing=endpointing,
+            frontends=args.frontends,
+            decoder=decoder,
+            decoders=decoders,
+        ),
+    )
+
+
 def compile_only(configs: list) -> int:
     """``serve --compile-only``: build each CPU engine as ``serve`` would (so the cache keys match), compiling
     every shape missing from the cache, and say what the cache now holds."""
@@ -721,8 +756,6 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
     from cosystream.engine.core import EngineConfig
     from cosystream.engine.process import EngineProcessConfig, resolve_devices
     from cosystream.runtime.runner import GraphMode
-    from cosystream.server.frontend import FrontendConfig
-    from cosystream.server.servicer import StreamOptions
 
     try:
         devices = resolve_devices(args.device, args.engines)  # --device cuda without CUDA: said now
@@ -766,35 +799,11 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
-    from cosystream.server.http import HttpConfig
 
-    frontend = FrontendConfig(
-        **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
-        tls=tls,
-        auth_tokens=auth_tokens,
-        admin=args.admin,
-        http=None
-        if not args.http_port
-        else HttpConfig(
-            **given(
-                host=args.host,
-                max_upload_bytes=None if args.max_upload_mb is None else int(args.max_upload_mb * 1e6),
-                idle_timeout_s=args.http_idle_timeout_s,
-                allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins.split(",")),
-                allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts.split(",")),
-                max_upload_audio_s=args.max_upload_audio_s,
-                ws_idle_timeout_s=args.ws_idle_timeout_s,
-            ),
-            port=args.http_port,
-        ),
-        stream=StreamOptions(
-            **given(idle_timeout_s=args.idle_timeout_s, realtime_burst_s=args.realtime_burst_s),
-            default_endpointing=endpointing,
-            frontends=args.frontends,
-            decoder=decoder,
-            decoders=decoders,
-        ),
-    )
+    try:
+        frontend = frontend_config(args, tls, auth_tokens, endpointing, decoder, decoders)
+    except ValueError as err:  # a config's own check (a negative --realtime-burst-s, ...)
+        sys.exit(f"cosystream serve: {err}")
     restarts = RestartPolicy(**given(max_failures=args.max_failures, window_s=args.restart_window_s))
     if restarts.max_failures < 1:
         sys.exit("cosystream serve: --max-failures must be >= 1")
