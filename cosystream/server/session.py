@@ -8,6 +8,9 @@ Everything a session emits or sends goes through one ordered queue of actions (S
 the event contract holds by construction: an utterance's frames are sent only after its SPEECH_STARTED,
 its final only after the results of all its frames, and the next utterance's SPEECH_STARTED and frames
 only after that final and the engine-side reset of the model state.
+
+With a second pass (``serve --final-model``, ``final_pass.py``) an utterance's final also waits for the
+second pass's answer (or its deadline), which may replace the streaming text; ``final_pass`` says which.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cosystream.decoding.beam import BeamCtcDecoder
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
+from cosystream.server.final_pass import STREAMING, FinalPass
 from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -154,9 +158,11 @@ class Session:
         model_name: str = "",
         model_version: str = "",
         pacer: AudioPacer | None = None,
+        final_pass: FinalPass | None = None,
     ):
         """``pacer``: paces the speech of a REALTIME stream (``feed_audio`` says how long to wait); None: not
-        paced (BATCH streams, which use only what REALTIME leaves)."""
+        paced (BATCH streams, which use only what REALTIME leaves). ``final_pass``: each final waits for the
+        second pass (call :meth:`resume` when it answers); None: finals from the streaming model."""
         self.key = key
         self.session_id = session_id
         self.config = config
@@ -167,6 +173,7 @@ class Session:
         self.on_result_latency = on_result_latency
         self.clock = clock
         self.pacer = pacer
+        self.final_pass = final_pass
         # A model with right context outputs each frame this much later: an utterance's end-of-utterance
         # silence includes that much more, so its last words come out, and word times are moved back by it.
         self.output_delay_frames = output_delay_frames
@@ -277,6 +284,8 @@ class Session:
                     return
                 frames = payload if len(payload) <= room else payload[:room]
                 self.engine.send_frames(self.key, frames)
+                if self.final_pass is not None:
+                    self.final_pass.keep(frames)
                 utterance.sent += len(frames)
                 self._audio_frames_sent += len(frames)
                 self._arrivals.append((utterance.sent, received_s))
@@ -307,8 +316,19 @@ class Session:
                     utterance.flushed = True
                 if utterance.received < utterance.sent:
                     return  # the final waits for the results of every frame sent
+                if self.final_pass is not None and not self.final_pass.ready(utterance.index):
+                    return  # and for the second pass (which calls resume())
                 self._final(utterance)
             self._actions.popleft()
+
+    def resume(self) -> None:
+        """The second pass answered: send the final that waited for it, and what queued behind it."""
+        self._pump()
+
+    def close(self) -> None:
+        """The stream is over (every exit path): a second-pass job still waiting is dropped."""
+        if self.final_pass is not None:
+            self.final_pass.close()
 
     # --- engine results ----------------------------------------------------------------------------
 
@@ -387,6 +407,7 @@ class Session:
             confidence=self._ctc.confidence,
             model=self.model_name,
             model_version=self.model_version,
+            final_pass=STREAMING if is_final else "",
         )
         if self.config.word_time_offsets:
             delay_ms = self.output_delay_frames * FRAME_MS
@@ -399,6 +420,8 @@ class Session:
                 )
                 for w in self._ctc.words()
             )
+        if is_final and self.final_pass is not None:
+            self.final_pass.apply(result)
         response = pb.StreamingRecognizeResponse(
             results=[result], latency=self._latency(received_s), session_id=self.session_id
         )

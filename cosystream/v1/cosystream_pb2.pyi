@@ -130,7 +130,7 @@ class StreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StreamingResult(_message.Message):
-    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence", "model", "model_version")
+    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence", "model", "model_version", "final_pass")
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     IS_FINAL_FIELD_NUMBER: _ClassVar[int]
     STABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class StreamingResult(_message.Message):
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINAL_PASS_FIELD_NUMBER: _ClassVar[int]
     transcript: str
     is_final: bool
     stability: float
@@ -151,7 +152,8 @@ class StreamingResult(_message.Message):
     confidence: float
     model: str
     model_version: str
-    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
+    final_pass: str
+    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., final_pass: _Optional[str] = ...) -> None: ...
 
 class WordInfo(_message.Message):
     __slots__ = ("word", "start_ms", "end_ms", "confidence")
