@@ -358,3 +358,28 @@ def test_a_stream_cancelled_while_its_final_waits_frees_its_slot_and_job(server,
         release.set()
         second_pass.config = saved
     no_leaks(server, stub)
+
+
+@needs_espeak
+def test_a_drain_gives_second_pass_finals_then_unavailable():
+    """``cosystream serve --final-model`` as users run it, SIGTERM mid-stream: each utterance heard gets its
+    final (from the second pass, or the streaming one when its deadline passed) and the stream UNAVAILABLE;
+    the server, its worker included, exits 0."""
+    needs_whisper()
+    import grpc
+
+    from tests.servers import Served
+    from tests.test_faults import SERVING, Client, session, talk
+
+    with Served("--frontends", "1", "--drain-grace-s", "4", "--final-model", EMBEDDED) as served:
+        served.wait(lambda: served.health() == SERVING, 60, "SERVING")
+        live = Client(served.stub(), session(talk(20.0)))
+        assert live.started.wait(30)
+        time.sleep(2)
+        served.process.send_signal(signal.SIGTERM)
+        assert live.result() == grpc.StatusCode.UNAVAILABLE and "shutting down" in live.details
+        check_event_contract(live.responses[:-1])  # (the last response is the status)
+        assert live.finals and {f.final_pass for f in live.finals} <= {"second_pass", "streaming"}
+        assert live.finals[0].final_pass == "second_pass"  # (4 s of grace: the first one had its time)
+        assert served.process.wait(30) == 0
+        assert "second pass: embedded:whisper-tiny-en ready" in "".join(served.log)
