@@ -90,6 +90,51 @@ def test_a_model_directory_that_is_not_one_is_refused_with_what_to_fix(tmp_path)
         SecondPassConfig("embedded:whisper-huge")
 
 
+class _Recorder:
+    """Takes a FinalPass's jobs (the queue's own behaviour is tested on the real worker below)."""
+
+    def __init__(self):
+        self.jobs: list = []
+
+    def submit(self, key, index, audio, realtime, on_done) -> bool:
+        self.jobs.append((key, index, audio, realtime, on_done))
+        return True
+
+    def cancel(self, key) -> None:
+        self.jobs = [job for job in self.jobs if job[0] != key]
+
+
+def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_is_read_again():
+    from cosystream.server.final_pass import FinalPass
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    second, answered = _Recorder(), []
+    final_pass = FinalPass(second, key=7, realtime=True, max_frames=10, on_answer=lambda: answered.append(1))
+    frames = np.full((4, 160), 0.5, np.float32)
+    for _ in range(3):  # 12 frames: over the cap of 10
+        final_pass.keep(frames)
+    assert final_pass.ready(0) and second.jobs == []  # the streaming final, now
+    result = pb.StreamingResult(transcript="streamed", is_final=True)
+    final_pass.apply(result)
+    assert result.final_pass == "streaming" and result.transcript == "streamed"
+    final_pass.keep(frames)  # the next utterance, within the cap
+    assert not final_pass.ready(1) and len(second.jobs) == 1
+    key, index, audio, realtime, on_done = second.jobs[0]
+    assert (key, index, realtime) == (7, 1, True) and audio.dtype == np.int16 and len(audio) == 4 * 160
+    assert audio[0] == 16384
+    assert not final_pass.ready(1)  # (still waiting: submitted once)
+    from cosystream.secondpass.whisper import SecondPassResult
+
+    on_done(SecondPassResult("hello there", no_speech_prob=0.1, avg_logprob=-0.2))
+    assert answered == [1] and final_pass.ready(1)
+    result = pb.StreamingResult(transcript="hallo", is_final=True, start_ms=1000, end_ms=2000)
+    result.words.extend([pb.WordInfo(word="hallo", start_ms=1000, end_ms=2000)])
+    final_pass.apply(result)
+    assert result.final_pass == "second_pass" and result.transcript == "hello there"
+    spans = [(w.word, w.start_ms, w.end_ms) for w in result.words]
+    assert spans == [("hello", 1000, 1500), ("there", 1500, 2000)]  # spread by length: one word became two
+
+
 # --- the transcriber -----------------------------------------------------------------------------------
 
 
@@ -383,3 +428,23 @@ def test_a_drain_gives_second_pass_finals_then_unavailable():
         assert live.finals[0].final_pass == "second_pass"  # (4 s of grace: the first one had its time)
         assert served.process.wait(30) == 0
         assert "second pass: embedded:whisper-tiny-en ready" in "".join(served.log)
+
+
+@needs_espeak
+def test_a_job_that_hangs_the_worker_gets_it_killed_and_started_again():
+    audio = int16(speech(SENTENCE))
+
+    async def scenario():
+        async with started_second_pass(1) as second_pass:
+            second_pass.config = dataclasses.replace(second_pass.config, stuck_after_s=0.3)
+            old = next(iter(second_pass._pool._processes.values()))
+            # a minute of audio (~10 s of work): late at 1 ms, then "stuck" 0.3 s later
+            answers = await _answers(second_pass, [(1, 0, np.tile(audio, 22), True)])
+            assert answers == [(0, None)]
+            await asyncio.wait_for(_until(lambda: not old.is_alive()), 30)
+            second_pass.config = dataclasses.replace(second_pass.config, deadline_ms=60_000)
+            answers = await _answers(second_pass, [(1, 1, audio, True)])
+            assert answers[0][1].text == SENTENCE
+            assert second_pass.stats.late == 1 and second_pass.enabled
+
+    asyncio.run(scenario())

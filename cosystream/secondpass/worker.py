@@ -5,7 +5,8 @@ inherits neither the frontend's gRPC threads nor torch) runs one job at a time: 
 gains nothing from batching, and a second job in flight would only wait in the worker instead of in the
 queue here, where it can still be reordered and dropped. The queue is the frontend's: a heap of jobs,
 REALTIME before BATCH, then the oldest deadline; a job whose deadline passes (queued or running) is answered
-with None at once and the streaming final stands. A worker that dies answers its job with None and is
+with None at once and the streaming final stands (one still running ``stuck_after_s`` later has hung the
+worker, which is killed). A worker that dies answers its job with None and is
 started again (at most :data:`MAX_RESTARTS` times in :data:`RESTART_WINDOW_S`; then the second pass turns
 itself off and says so). All callbacks run on the frontend's asyncio loop.
 
@@ -45,6 +46,8 @@ class SecondPassConfig:
     deadline_ms: int = 3000  # from an utterance's end to its final at the latest
     max_queued: int = 32  # jobs waiting; past it an utterance keeps its streaming final
     cpu_threads: int = 1
+    # A job still running this long after its deadline has hung the worker: it is killed and started again.
+    stuck_after_s: float = 30.0
 
     def __post_init__(self) -> None:
         resolve_model(self.model)  # raises ModelError with what to fix
@@ -52,6 +55,8 @@ class SecondPassConfig:
             raise ValueError(f"final deadline must be 1 to 600000 ms, got {self.deadline_ms}")
         if self.max_queued < 1 or self.cpu_threads < 1:
             raise ValueError("max_queued and cpu_threads must be >= 1")
+        if not self.stuck_after_s > 0:
+            raise ValueError(f"stuck_after_s must be > 0, got {self.stuck_after_s}")
 
 
 # --- in the worker process ---------------------------------------------------------------------------
@@ -144,9 +149,7 @@ class SecondPass:
             return False
         deadline_s = time.monotonic() + self.config.deadline_ms / 1e3
         job = _Job(key, index, audio, deadline_s, on_done)
-        job.timer = self._loop.call_at(
-            self._loop.time() + self.config.deadline_ms / 1e3, self._answer, job, None, "late"
-        )
+        job.timer = self._loop.call_at(self._loop.time() + self.config.deadline_ms / 1e3, self._late, job)
         heapq.heappush(self._heap, (0 if realtime else 1, deadline_s, next(self._seq), job))
         self.stats.submitted += 1
         self._loop.call_soon(self._dispatch)
@@ -196,6 +199,20 @@ class SecondPass:
                 job.on_done(result)
             except Exception:
                 log.exception("second pass: a session's callback failed")
+
+    def _late(self, job: _Job) -> None:
+        self._answer(job, None, "late")
+        if self._running is job:
+            self._loop.call_later(self.config.stuck_after_s, self._kill_if_stuck, job)
+
+    def _kill_if_stuck(self, job: _Job) -> None:
+        """A job running ``stuck_after_s`` past its deadline: kill the worker (its job then fails as a dead
+        worker's, and the worker is started again), so the jobs behind it are not all late."""
+        if self._running is not job or self._pool is None:
+            return
+        log.error("second pass: a job ran %.0f s past its deadline; killing the worker", self.config.stuck_after_s)
+        for process in list(self._pool._processes.values()):  # (the executor has no public kill)
+            process.kill()
 
     def _dispatch(self) -> None:
         if self._running is not None or self._pool is None:

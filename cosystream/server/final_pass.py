@@ -2,7 +2,8 @@
 and its answer put into the final.
 
 The session keeps every 16 kHz frame it forwards for the utterance (its pre-roll included, the end-of-
-utterance silence not), at most the endpointer's ``max_utterance_ms`` of it. When the utterance ends its
+utterance silence not), at most :data:`MAX_AUDIO_S` of it (1.9 MB); a longer utterance (a client may ask for
+up to 600 s) keeps its streaming final: Whisper would take longer than any deadline on it. When the utterance ends its
 final waits (the next utterance's SPEECH_STARTED waits behind it, as behind any final) until the second pass
 answers, its deadline passes, or it fails; then the final is sent with Whisper's text, or with the streaming
 text when the answer is gated, late or missing. ``final_pass`` on the result says which.
@@ -27,6 +28,7 @@ from cosystream.v1 import cosystream_pb2 as pb
 log = logging.getLogger(__name__)
 
 STREAMING, SECOND_PASS = "streaming", "second_pass"
+MAX_AUDIO_S = 60
 _IDLE, _WAITING, _ANSWERED = 0, 1, 2
 
 
@@ -47,11 +49,12 @@ class FinalPass:
         self._answer: SecondPassResult | None = None
 
     def keep(self, frames: np.ndarray) -> None:
-        """Frames (float, ``(n, 160)``) forwarded for the current utterance."""
-        room = self.max_frames - self._frames
-        if room <= 0:
+        """Frames (float, ``(n, 160)``) forwarded for the current utterance; past ``max_frames`` the
+        utterance's audio is let go (its final is the streaming one)."""
+        if self._frames + len(frames) > self.max_frames:
+            self._chunks.clear()
+            self._frames = self.max_frames + 1  # (over: nothing more is kept until the next utterance)
             return
-        frames = frames[:room]
         self._chunks.append((np.clip(frames, -1, 1 - 1 / 32768) * 32768).astype(np.int16).reshape(-1))
         self._frames += len(frames)
 
@@ -63,12 +66,13 @@ class FinalPass:
         if self._state == _WAITING:
             return False
         audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
+        over = self._frames > self.max_frames
         self._chunks.clear()
         self._frames = 0
-        if len(audio) and self.second.submit(self.key, index, audio, self.realtime, self._answered):
+        if len(audio) and not over and self.second.submit(self.key, index, audio, self.realtime, self._answered):
             self._state = _WAITING
             return False
-        self._state = _ANSWERED  # (refused, or nothing heard: the streaming final now)
+        self._state = _ANSWERED  # (refused, too long, or nothing heard: the streaming final now)
         return True
 
     def _answered(self, result: SecondPassResult | None) -> None:

@@ -37,7 +37,7 @@ from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
 from cosystream.server.engine_pool import EnginePool
-from cosystream.server.final_pass import FinalPass
+from cosystream.server.final_pass import MAX_AUDIO_S, FinalPass
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
@@ -213,7 +213,7 @@ class _Stream:
                 servicer.second_pass,
                 self.key,
                 config.priority == Priority.REALTIME,
-                config.endpointing.max_utterance_ms // FRAME_MS,
+                MAX_AUDIO_S * 1000 // FRAME_MS,
                 self._second_pass_answered,
             ),
         )
