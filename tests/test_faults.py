@@ -150,18 +150,25 @@ def test_a_cancel_storm_leaks_no_slot():
 
 # --- start-up -----------------------------------------------------------------------------------------
 
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "cosystream" / "models" / "default"
+
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--model", "/nonexistent"], "--model /nonexistent: no such directory"),
-        (["--model", "{empty}"], "the engine could not start: "),
+        (["--model", "{broken}"], "the engine could not start: "),
         (["--device", "cuda:7"], "cuda:7"),
     ],
     ids=["no-model", "engine-fails", "no-such-device"],
 )
 def test_serve_that_cannot_start_says_why_in_one_line_and_exits(tmp_path, args, message):
-    args = [a.replace("{empty}", str(tmp_path)) for a in args]
+    broken = tmp_path / "broken"  # every file a model needs, its weights unreadable: found only by the engine
+    broken.mkdir()
+    for name in ("config.json", "vocabulary.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, broken / name)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    args = [a.replace("{broken}", str(broken)) for a in args]
     started = time.monotonic()
     run = subprocess.run(
         serve_argv(*args),
@@ -558,4 +565,4 @@ def test_transcribe_takes_every_wav_encoding_and_explains_the_rest(tmp_path):
             assert run.stdout.split("]", 1)[1].strip() == text, (name, run.stdout, text)
         refused = transcribe(tmp_path / "notes.txt", served.address)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1
-    assert "not a WAV file" in refused.stderr and "sox IN -c 1 -b 16 OUT.wav" in refused.stderr
+    assert "Format not recognised" in refused.stderr and "sox IN -c 1 -b 16 OUT.wav" in refused.stderr

@@ -216,6 +216,7 @@ def test_streamed_transcription_is_a_delta_per_utterance_then_the_text(client, t
         pytest.param(lambda a: wav_file(a(8000), 8000), id="wav-8k"),
         pytest.param(lambda a: wav_file(a(44100), 44100, channels=2), id="wav-44k-stereo"),
         pytest.param(lambda a: wav_file(a(48000), 48000), id="wav-48k"),
+        pytest.param(lambda a: encoded_file(a(16000), 16000, "WAV", "FLOAT"), id="wav-float"),
         pytest.param(lambda a: encoded_file(a(16000), 16000, "FLAC"), id="flac"),
         pytest.param(lambda a: encoded_file(a(22050), 22050, "OGG", "VORBIS"), id="ogg-vorbis"),
         pytest.param(lambda a: encoded_file(a(24000), 24000, "MP3"), id="mp3"),

@@ -43,7 +43,12 @@ def read_audio(path: str) -> tuple[np.ndarray, int]:
         audio = open_audio(data)
         return audio.read(), audio.info.sample_rate_hz
     except UndecodableAudio as err:
-        raise UndecodableAudio(f"{path}: {err}") from None
+        hint = (
+            ""
+            if "sox" in str(err)
+            else "; convert it with `sox IN -c 1 -b 16 OUT.wav` or `ffmpeg -i IN -ac 1 OUT.wav`"
+        )
+        raise UndecodableAudio(f"{path}: {err}{hint}") from None
 
 
 def write_wav(path: str, samples: np.ndarray, rate: int) -> None:

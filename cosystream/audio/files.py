@@ -77,7 +77,8 @@ class AudioFile:
 
         try:
             with soundfile.SoundFile(io.BytesIO(self._data)) as f:
-                for block in f.blocks(blocksize=frames, dtype="int16", always_2d=True):
+                # float32, then int16 here: libsndfile reads a float file as int16 unscaled (every sample 0 or +-1)
+                for block in f.blocks(blocksize=frames, dtype="float32", always_2d=True):
                     yield _mono(block)
         except (soundfile.LibsndfileError, RuntimeError) as err:
             raise UndecodableAudio(f"the {self.info.container} audio is damaged: {_reason(err)}") from None
@@ -149,9 +150,9 @@ def _by_wav_parser(data: bytes) -> AudioFile:
 
 
 def _mono(block: np.ndarray) -> np.ndarray:
-    if block.shape[1] == 1:
-        return np.ascontiguousarray(block[:, 0])
-    return block.mean(axis=1).astype(np.int16)
+    """float32 ``[frames, channels]`` in [-1, 1] as mono int16 (channels averaged)."""
+    mono = block[:, 0] if block.shape[1] == 1 else block.mean(axis=1)
+    return np.clip(np.round(mono * 32768), -32768, 32767).astype(np.int16)
 
 
 def _reason(err: Exception) -> str:
