@@ -30,7 +30,11 @@ class UndecodableAudio(ValueError):
 
 
 class AudioTooLong(UndecodableAudio):
-    """A file whose audio is longer than the limit it was opened with."""
+    """A file whose audio is longer than the limit it was opened with (``duration_s``, by its header)."""
+
+    def __init__(self, message: str, duration_s: float):
+        super().__init__(message)
+        self.duration_s = duration_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +122,8 @@ def open_audio(data: bytes, max_duration_s: float | None = None) -> AudioFile:
     if max_duration_s is not None and info.duration_s > max_duration_s:
         raise AudioTooLong(
             f"the audio is {info.duration_s:.1f} s long; this server takes files of up to {max_duration_s:g} s: "
-            "split it"
+            "split it",
+            info.duration_s,
         )
     return audio
 

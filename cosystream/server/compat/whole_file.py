@@ -104,9 +104,8 @@ def open_content(
             resolve_format(declared, parsed[0], False, encoding_names)
     try:
         audio_file = open_audio(content, max_audio_s)
-    except AudioTooLong:
-        duration_s = open_audio(content).info.duration_s
-        raise CompatError(_BAD, f"the audio is {duration_s:.1f} s long; {too_long}") from None
+    except AudioTooLong as err:
+        raise CompatError(_BAD, f"the audio is {err.duration_s:.1f} s long; {too_long}") from None
     except UndecodableAudio as err:
         raise CompatError(_BAD, f"the audio content: {err}") from None
     info = audio_file.info
@@ -119,19 +118,6 @@ def open_content(
     return FileAudio(
         AudioEncoding.LINEAR16, info.sample_rate_hz, info.duration_s, lambda: _container_blocks(audio_file)
     )
-
-
-async def _feed(stream: NativeStream, audio: FileAudio) -> None:
-    """The audio into the stream, once it is admitted, then the half-close. Decoding runs off the loop."""
-    if not await stream.accepted():
-        return
-    loop = asyncio.get_running_loop()
-    blocks = audio.blocks()
-    try:
-        while (block := await loop.run_in_executor(None, next, blocks, None)) is not None:
-            await stream.send_audio(block)
-    finally:
-        stream.half_close()
 
 
 async def recognize(
@@ -151,7 +137,7 @@ async def recognize(
     config.priority = pb.BATCH
     stream = NativeStream(servicer, config, token)
     loop = asyncio.get_running_loop()
-    feeder = loop.create_task(_feed(stream, audio))
+    feeder = loop.create_task(stream.feed(audio.blocks()))
     watcher = None if admitted is None else loop.create_task(_when_accepted(stream, admitted))
     finals: list[pb.StreamingResult] = []
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -76,6 +76,19 @@ class NativeStream:
         comes out of :meth:`responses`, which must be being read)."""
         await self._context.answered.wait()
         return bool(self._context.session_id) and not self._closed
+
+    async def feed(self, blocks: Iterator[bytes]) -> None:
+        """Once the stream is accepted, send each block ``blocks`` yields (it is advanced in an executor
+        thread, so decoding runs off the loop), then half-close. An exception from ``blocks`` half-closes
+        the stream where it got to, and is raised."""
+        if not await self.accepted():
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            while (block := await loop.run_in_executor(None, next, blocks, None)) is not None:
+                await self.send_audio(block)
+        finally:
+            self.half_close()
 
     async def send_audio(self, audio: bytes) -> None:
         if audio and not self._closed:

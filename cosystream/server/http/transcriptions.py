@@ -148,7 +148,7 @@ class Transcriber:
             enable_word_time_offsets=True,
         )
         stream = NativeStream(self.servicer, config, token)
-        feeder = asyncio.get_running_loop().create_task(_feed(stream, audio))
+        feeder = asyncio.get_running_loop().create_task(stream.feed(_pcm16(audio)))
         try:
             if form.stream:
                 return await self._stream_events(request, stream, audio.info, feeder)
@@ -198,20 +198,6 @@ class Transcriber:
         return response
 
 
-async def _feed(stream: NativeStream, audio: AudioFile) -> None:
-    """Decode the file a block at a time into the stream, once the stream is admitted. A block that does not
-    decode ends the stream there and the feed with :class:`UndecodableAudio` (:func:`_finals` raises it)."""
-    if not await stream.accepted():
-        return
-    loop = asyncio.get_running_loop()
-    blocks = audio.blocks(FEED_FRAMES)
-    try:
-        while (block := await loop.run_in_executor(None, next, blocks, None)) is not None:
-            await stream.send_audio(block.astype("<i2", copy=False).tobytes())
-    finally:
-        stream.half_close()
-
-
 async def _finals(stream: NativeStream, feeder: asyncio.Task):
     """The stream's final results in order; raises :class:`ApiError` if it ends with another status than OK,
     or if the feeder found the file damaged part-way."""
@@ -227,6 +213,13 @@ async def _finals(stream: NativeStream, feeder: asyncio.Task):
         if isinstance(err, UndecodableAudio):
             raise ApiError(400, f"file: {err}", "invalid_audio", "file") from None
         raise err
+
+
+def _pcm16(audio: AudioFile):
+    """The file as LINEAR16 requests' audio, decoded a block at a time (an undecodable block raises
+    :class:`UndecodableAudio`, which :func:`_finals` turns into a 400)."""
+    for block in audio.blocks(FEED_FRAMES):
+        yield block.astype("<i2", copy=False).tobytes()
 
 
 def _usage(audio: AudioInfo) -> dict:
