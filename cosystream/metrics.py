@@ -12,6 +12,7 @@ import os
 
 STEP_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SECOND_PASS_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 
@@ -83,6 +84,21 @@ def _metrics() -> dict:
     )
     WEBSOCKETS = Gauge(
         "cosystream_websocket_sessions", "Realtime WebSocket connections open.", multiprocess_mode="livesum"
+    )
+    # The second pass (serve --final-model), per frontend process.
+    SECOND_PASS_JOBS = Counter(
+        "cosystream_second_pass_jobs",
+        "Utterances offered to the second pass, by outcome: used (its text is the final), gated (it answered, "
+        "the streaming final stands), late, failed, cancelled, refused (queue full or off).",
+        ["outcome"],
+    )
+    SECOND_PASS_SECONDS = Histogram(
+        "cosystream_second_pass_seconds",
+        "From an utterance queued for the second pass to its answer (used or gated).",
+        buckets=SECOND_PASS_BUCKETS_S,
+    )
+    SECOND_PASS_BATCH = Histogram(
+        "cosystream_second_pass_batch_size", "Utterances read in one second-pass call.", buckets=BATCH_BUCKETS[:6]
     )
     return dict(locals())
 
@@ -172,6 +188,26 @@ class FrontendMetrics:
         """A session of ``token`` opened (or, ``opened=False``, ended)."""
         gauge = self._m["TOKEN_SESSIONS"].labels(token)
         gauge.inc() if opened else gauge.dec()
+
+
+SECOND_PASS_OUTCOMES = ("used", "gated", "late", "failed", "cancelled", "refused")
+
+
+class SecondPassMetrics:
+    """A frontend's second pass (``cosystream.secondpass.worker.SecondPassObserver``)."""
+
+    def __init__(self) -> None:
+        self._m = _metrics()
+        for outcome in SECOND_PASS_OUTCOMES:
+            self._m["SECOND_PASS_JOBS"].labels(outcome)
+
+    def job_ended(self, outcome: str, seconds: float) -> None:
+        self._m["SECOND_PASS_JOBS"].labels(outcome).inc()
+        if outcome in ("used", "gated"):
+            self._m["SECOND_PASS_SECONDS"].observe(seconds)
+
+    def batch_read(self, size: int, seconds: float) -> None:
+        self._m["SECOND_PASS_BATCH"].observe(size)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:

@@ -216,12 +216,27 @@ async def _answers(second_pass, jobs, timeout_s: float = 60.0) -> list:
     return answers
 
 
+class _Observed:
+    """What the worker reports to the metrics: each job's outcome and each call's batch size."""
+
+    def __init__(self):
+        self.outcomes: list[str] = []
+        self.batches: list[int] = []
+
+    def job_ended(self, outcome: str, seconds: float) -> None:
+        assert seconds >= 0
+        self.outcomes.append(outcome)
+
+    def batch_read(self, size: int, seconds: float) -> None:
+        self.batches.append(size)
+
+
 @contextlib.asynccontextmanager
-async def started_second_pass(deadline_ms: int):
+async def started_second_pass(deadline_ms: int, **config):
     needs_whisper()
     from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 
-    second_pass = SecondPass(SecondPassConfig(EMBEDDED, deadline_ms=deadline_ms))
+    second_pass = SecondPass(SecondPassConfig(EMBEDDED, deadline_ms=deadline_ms, **config), _Observed())
     await second_pass.start()
     try:
         yield second_pass
@@ -239,7 +254,10 @@ def test_the_worker_serves_realtime_before_batch_and_drops_what_is_late():
             # one BATCH job, then two REALTIME ones, submitted together: the REALTIME ones run first
             answers = await _answers(second_pass, [(1, 0, audio, False), (2, 0, audio, True), (3, 1, audio, True)])
             assert [index for index, _ in answers] == [0, 1, 0]
-            assert answers[0][1].text == sentence and answers[-1][1].text == sentence
+            assert all(result.text == sentence for _, result in answers)
+            # the two REALTIME utterances were read in one call, the BATCH one in the next
+            assert second_pass.observer.batches == [2, 1] and second_pass.stats.batches == 2
+            assert second_pass.observer.outcomes == ["used"] * 3
             # a session that closes takes its queued job with it: it is never answered nor run
             called = []
             assert second_pass.submit(4, 0, audio, True, called.append)
@@ -251,6 +269,31 @@ def test_the_worker_serves_realtime_before_batch_and_drops_what_is_late():
             answers = await _answers(late, [(1, 0, audio, True)])
             assert answers == [(0, None)]
             assert late.stats.late == 1 and late.stats.used == 0 and late.pending == 0
+
+    asyncio.run(scenario())
+
+
+@needs_espeak
+def test_utterances_that_end_together_are_read_in_one_call_by_length_and_up_to_max_batch():
+    from cosystream.secondpass.worker import length_bucket
+
+    other_sentence = "the meeting moves to the large room upstairs"
+    short, other = int16(speech(SENTENCE)), int16(speech(other_sentence))
+    long = np.concatenate([short, np.zeros(16000 * 7, np.int16), other])
+    assert length_bucket(len(short)) == length_bucket(len(other)) != length_bucket(len(long))
+
+    async def scenario():
+        async with started_second_pass(60_000, max_batch=2) as second_pass:
+            answers: dict = {}
+            # a job running when the others come, so that they queue together
+            second_pass.submit(9, 0, long, True, lambda result: answers.setdefault(0, result))
+            await asyncio.sleep(0.05)
+            jobs = [(1, 1, short, True), (2, 2, long, True), (3, 3, other, True), (4, 4, short, True)]
+            answers.update(await _answers(second_pass, jobs))
+            # the first job alone; two short ones (max_batch=2); the long one (its own length); the last short one
+            assert second_pass.observer.batches == [1, 2, 1, 1]
+            assert [answers[i].text for i in (1, 3, 4)] == [SENTENCE, other_sentence, SENTENCE]
+            assert answers[2].text == answers[0].text == f"{SENTENCE} {other_sentence}"
 
     asyncio.run(scenario())
 

@@ -1,13 +1,16 @@
 """The second pass's worker process and the frontend's handle on it.
 
 One worker process per frontend (``concurrent.futures.ProcessPoolExecutor(max_workers=1)``, spawned, so it
-inherits neither the frontend's gRPC threads nor torch) runs one job at a time: on one CPU thread Whisper
-gains nothing from batching, and a second job in flight would only wait in the worker instead of in the
-queue here, where it can still be reordered and dropped. The queue is the frontend's: a heap of jobs,
-REALTIME before BATCH, then the oldest deadline; a job whose deadline passes (queued or running) is answered
-with None at once and the streaming final stands (one still running ``stuck_after_s`` later has hung the
-worker, which is killed). A worker that dies answers its job with None and is
-started again (at most :data:`MAX_RESTARTS` times in :data:`RESTART_WINDOW_S`; then the second pass turns
+inherits neither the frontend's gRPC threads nor torch) reads one batch at a time: the job at the head of the
+queue and up to ``max_batch - 1`` more of the same priority whose audio falls in the same length bucket
+(:func:`length_bucket`: a short utterance is not padded to a long one's length), in one encoder call and one
+batched decode. Utterances that end near each other (several sessions pausing together) so share a call; a
+lone one goes alone, at once. Nothing more is sent while a batch runs: a job would only wait in the worker
+instead of in the queue here, where it can still be reordered, joined to a batch, and dropped. The queue is
+the frontend's: a heap of jobs, REALTIME before BATCH, then the oldest deadline; a job whose deadline passes
+(queued or running) is answered with None at once and the streaming final stands (a batch still running
+``stuck_after_s`` past a job's deadline has hung the worker, which is killed). A worker that dies answers
+its jobs with None and is started again (at most :data:`MAX_RESTARTS` times in :data:`RESTART_WINDOW_S`; then the second pass turns
 itself off and says so). All callbacks run on the frontend's asyncio loop.
 
 Why an executor and not a hand-made pipe protocol: it already reports a dead worker (``BrokenProcessPool``)
@@ -22,10 +25,12 @@ import concurrent.futures
 import heapq
 import itertools
 import logging
+import math
 import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -45,7 +50,9 @@ class SecondPassConfig:
     model: str  # a CTranslate2 Whisper directory, or "embedded:whisper-tiny-en"
     deadline_ms: int = 3000  # from an utterance's end to its final at the latest
     max_queued: int = 32  # jobs waiting; past it an utterance keeps its streaming final
+    max_batch: int = 8  # utterances read in one call
     cpu_threads: int = 1
+    device: str = "cpu"  # cpu, cuda, or auto (CUDA when CTranslate2 sees and loads on one)
     # A job still running this long after its deadline has hung the worker: it is killed and started again.
     stuck_after_s: float = 30.0
 
@@ -53,8 +60,10 @@ class SecondPassConfig:
         resolve_model(self.model)  # raises ModelError with what to fix
         if not 1 <= self.deadline_ms <= 600_000:
             raise ValueError(f"final deadline must be 1 to 600000 ms, got {self.deadline_ms}")
-        if self.max_queued < 1 or self.cpu_threads < 1:
-            raise ValueError("max_queued and cpu_threads must be >= 1")
+        if self.max_queued < 1 or self.cpu_threads < 1 or self.max_batch < 1:
+            raise ValueError("max_queued, max_batch and cpu_threads must be >= 1")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"second-pass device must be cpu, cuda or auto, got {self.device!r}")
         if not self.stuck_after_s > 0:
             raise ValueError(f"stuck_after_s must be > 0, got {self.stuck_after_s}")
 
@@ -64,18 +73,23 @@ class SecondPassConfig:
 _transcriber = None
 
 
-def _load(spec: str, cpu_threads: int) -> float:
-    """Load the model (once per process); returns the seconds a 1 s warm-up took."""
+def _load(spec: str, cpu_threads: int, device: str) -> tuple[float, str]:
+    """Load the model (once per process); returns the seconds a 1 s warm-up took and the device it runs on."""
     global _transcriber
     from cosystream.secondpass.whisper import WhisperTranscriber
 
     if _transcriber is None:
-        _transcriber = WhisperTranscriber(spec, cpu_threads)
-    return _transcriber.transcribe(np.zeros(16000, dtype=np.int16)).compute_s
+        _transcriber = WhisperTranscriber(spec, cpu_threads, device)
+    return _transcriber.transcribe(np.zeros(16000, dtype=np.int16)).compute_s, _transcriber.device
 
 
-def _transcribe(audio: np.ndarray) -> SecondPassResult:
-    return _transcriber.transcribe(audio)
+def _transcribe(audios: list[np.ndarray]) -> list[SecondPassResult]:
+    return _transcriber.transcribe_batch(audios)
+
+
+def length_bucket(samples: int) -> int:
+    """Jobs batch together only within a bucket: up to 2 s, 4 s, 8 s, 16 s, longer (16 kHz samples)."""
+    return min(4, max(0, math.ceil(math.log2(max(samples, 1) / 32000))))
 
 
 # --- in the frontend -----------------------------------------------------------------------------------
@@ -83,18 +97,30 @@ def _transcribe(audio: np.ndarray) -> SecondPassResult:
 OnDone = Callable[[SecondPassResult | None], None]
 
 
+class SecondPassObserver(Protocol):
+    """Where the frontend's metrics hear of the second pass (``cosystream.metrics.SecondPassMetrics``)."""
+
+    def job_ended(self, outcome: str, seconds: float) -> None:
+        """A job ended ``seconds`` after it was queued: ``used``, ``gated`` (answered, the streaming final
+        stands), ``late``, ``failed`` or ``cancelled``; or it was ``refused`` (0 s)."""
+
+    def batch_read(self, size: int, seconds: float) -> None:
+        """The worker read ``size`` utterances in one call of ``seconds``."""
+
+
 class _Job:
-    __slots__ = ("audio", "deadline_s", "done", "index", "key", "on_done", "timer")
+    __slots__ = ("audio", "deadline_s", "done", "index", "key", "on_done", "submitted_s", "timer")
 
     def __init__(self, key: int, index: int, audio: np.ndarray, deadline_s: float, on_done: OnDone):
         self.key, self.index, self.audio, self.deadline_s, self.on_done = key, index, audio, deadline_s, on_done
+        self.submitted_s = time.monotonic()
         self.done = False
         self.timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
 class SecondPassStats:
-    """Counts since start: every submitted job ends as exactly one of the last four."""
+    """Counts since start: every submitted job ends as exactly one of used, late, failed and cancelled."""
 
     submitted: int = 0
     refused: int = 0  # the queue full, or the second pass off (never submitted)
@@ -102,18 +128,20 @@ class SecondPassStats:
     late: int = 0  # the deadline passed first
     failed: int = 0  # the worker failed or died
     cancelled: int = 0  # its session closed first
+    batches: int = 0  # worker calls (each reads 1 to max_batch jobs)
 
 
 class SecondPass:
     """The frontend's handle. Create and :meth:`start` it on the frontend's loop; :meth:`close` at stop."""
 
-    def __init__(self, config: SecondPassConfig):
+    def __init__(self, config: SecondPassConfig, observer: SecondPassObserver | None = None):
         self.config = config
+        self.observer = observer
         self.stats = SecondPassStats()
         self._loop = asyncio.get_running_loop()
         self._heap: list[tuple[int, float, int, _Job]] = []
         self._seq = itertools.count()
-        self._running: _Job | None = None
+        self._running: list[_Job] = []  # the batch the worker reads now
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._restarts: list[float] = []
         self.enabled = False
@@ -121,14 +149,14 @@ class SecondPass:
     @property
     def pending(self) -> int:
         """Jobs queued or running that still wait for an answer."""
-        return sum(not job.done for *_, job in self._heap) + (self._running is not None and not self._running.done)
+        return sum(not job.done for *_, job in self._heap) + sum(not job.done for job in self._running)
 
     async def start(self) -> None:
         """Start the worker and load the model; raises :class:`ModelError` (its message) when it cannot."""
         self._pool = self._new_pool()
         try:
-            warmup_s = await asyncio.wait_for(
-                asyncio.wrap_future(self._pool.submit(_load, self.config.model, self.config.cpu_threads)),
+            warmup_s, device = await asyncio.wait_for(
+                asyncio.wrap_future(self._pool.submit(_load, *self._load_args())),
                 WARMUP_TIMEOUT_S,
             )
         except concurrent.futures.process.BrokenProcessPool:
@@ -138,7 +166,7 @@ class SecondPass:
             self.close()
             raise ModelError(f"second pass: {err}") from None
         self.enabled = True
-        log.info("second pass: %s ready (1 s of audio in %.2f s)", self.config.model, warmup_s)
+        log.info("second pass: %s ready on %s (1 s of audio in %.2f s)", self.config.model, device, warmup_s)
 
     def submit(self, key: int, index: int, audio: np.ndarray, realtime: bool, on_done: OnDone) -> bool:
         """Queue utterance ``index`` of session ``key`` (int16, 16 kHz): ``on_done`` gets its result, or None
@@ -146,6 +174,8 @@ class SecondPass:
         Returns False (and never calls ``on_done``) when the job is refused: the streaming final stands."""
         if not self.enabled or len(self._heap) >= self.config.max_queued:
             self.stats.refused += 1
+            if self.observer is not None:
+                self.observer.job_ended("refused", 0.0)
             return False
         deadline_s = time.monotonic() + self.config.deadline_ms / 1e3
         job = _Job(key, index, audio, deadline_s, on_done)
@@ -160,8 +190,9 @@ class SecondPass:
         for *_, job in self._heap:
             if job.key == key:
                 self._finish(job, "cancelled")
-        if self._running is not None and self._running.key == key:
-            self._finish(self._running, "cancelled")
+        for job in self._running:
+            if job.key == key:
+                self._finish(job, "cancelled")
 
     def close(self) -> None:
         """Stop the worker; every job still waiting gets None."""
@@ -169,20 +200,23 @@ class SecondPass:
         for *_, job in self._heap:
             self._answer(job, None, "failed")
         self._heap.clear()
-        if self._running is not None:
-            self._answer(self._running, None, "failed")
+        for job in self._running:
+            self._answer(job, None, "failed")
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     # --- internals ---------------------------------------------------------------------------------
 
+    def _load_args(self) -> tuple[str, int, str]:
+        return self.config.model, self.config.cpu_threads, self.config.device
+
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn")
         )
 
-    def _finish(self, job: _Job, outcome: str) -> bool:
+    def _finish(self, job: _Job, outcome: str, gated: bool = False) -> bool:
         """Mark ``job`` answered (False if it already was) and count ``outcome``."""
         if job.done:
             return False
@@ -191,10 +225,12 @@ class SecondPass:
         if job.timer is not None:
             job.timer.cancel()
         setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        if self.observer is not None:
+            self.observer.job_ended("gated" if gated else outcome, time.monotonic() - job.submitted_s)
         return True
 
     def _answer(self, job: _Job, result: SecondPassResult | None, outcome: str) -> None:
-        if self._finish(job, outcome):
+        if self._finish(job, outcome, gated=result is not None and bool(result.gated)):
             try:
                 job.on_done(result)
             except Exception:
@@ -202,44 +238,68 @@ class SecondPass:
 
     def _late(self, job: _Job) -> None:
         self._answer(job, None, "late")
-        if self._running is job:
+        if job in self._running:
             self._loop.call_later(self.config.stuck_after_s, self._kill_if_stuck, job)
 
     def _kill_if_stuck(self, job: _Job) -> None:
-        """A job running ``stuck_after_s`` past its deadline: kill the worker (its job then fails as a dead
+        """A batch running ``stuck_after_s`` past a job's deadline: kill the worker (its jobs then fail as a dead
         worker's, and the worker is started again), so the jobs behind it are not all late."""
-        if self._running is not job or self._pool is None:
+        if job not in self._running or self._pool is None:
             return
         log.error("second pass: a job ran %.0f s past its deadline; killing the worker", self.config.stuck_after_s)
         for process in list(self._pool._processes.values()):  # (the executor has no public kill)
             process.kill()
 
     def _dispatch(self) -> None:
-        if self._running is not None or self._pool is None:
+        if self._running or self._pool is None:
             return
         while self._heap:
-            *_, job = heapq.heappop(self._heap)
-            if not job.done:
+            first = heapq.heappop(self._heap)
+            if not first[-1].done:
                 break
         else:
             return
-        self._running = job
-        future = self._pool.submit(_transcribe, job.audio)
-        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._completed, job, f))
+        # The head job, and the next ones in queue order of its priority and length bucket.
+        priority, bucket = first[0], length_bucket(len(first[-1].audio))
+        batch, rest = [first[-1]], []
+        for entry in sorted(self._heap):
+            job = entry[-1]
+            if job.done:
+                continue
+            if (
+                len(batch) < self.config.max_batch
+                and entry[0] == priority
+                and length_bucket(len(job.audio)) == bucket
+            ):
+                batch.append(job)
+            else:
+                rest.append(entry)
+        self._heap = rest  # (sorted: a heap already)
+        self._running = batch
+        self.stats.batches += 1
+        future = self._pool.submit(_transcribe, [job.audio for job in batch])
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._completed, batch, f))
 
-    def _completed(self, job: _Job, future: concurrent.futures.Future) -> None:
-        self._running = None
+    def _completed(self, batch: list[_Job], future: concurrent.futures.Future) -> None:
+        self._running = []
         try:
-            result = future.result()
+            results = future.result()
         except concurrent.futures.process.BrokenProcessPool:
-            log.error("second pass: the worker process died; utterance %d keeps its streaming final", job.index)
-            self._answer(job, None, "failed")
+            log.error(
+                "second pass: the worker process died; %d utterance(s) keep their streaming final", len(batch)
+            )
+            for job in batch:
+                self._answer(job, None, "failed")
             self._restart()
-        except Exception as err:  # (a bug in the worker: this utterance only)
-            log.error("second pass: utterance %d failed in the worker: %s", job.index, err)
-            self._answer(job, None, "failed")
+        except Exception as err:  # (a bug in the worker: this batch only)
+            log.error("second pass: %d utterance(s) failed in the worker: %s", len(batch), err)
+            for job in batch:
+                self._answer(job, None, "failed")
         else:
-            self._answer(job, result, "used")
+            if self.observer is not None and results:
+                self.observer.batch_read(len(batch), results[0].compute_s)
+            for job, result in zip(batch, results, strict=True):
+                self._answer(job, result, "used")
         self._dispatch()
 
     def _restart(self) -> None:
@@ -259,4 +319,4 @@ class SecondPass:
             return
         self._pool = self._new_pool()
         # (the model loads with the next job: that job's deadline may pass while it does)
-        self._pool.submit(_load, self.config.model, self.config.cpu_threads)
+        self._pool.submit(_load, *self._load_args())

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cosystream.metrics import FrontendMetrics
+from cosystream.metrics import FrontendMetrics, SecondPassMetrics
 from cosystream.secondpass.worker import SecondPass
 from cosystream.server.admin import add_admin_service
 from cosystream.server.auth import AuthInterceptor, TokenStore
@@ -127,7 +127,7 @@ class Frontend:
         self.engine.on_change = self._health_changed
         await self.engine.connect()
         if self.config.stream.second_pass is not None:
-            self.second_pass = SecondPass(self.config.stream.second_pass)
+            self.second_pass = SecondPass(self.config.stream.second_pass, SecondPassMetrics())
             await self.second_pass.start()  # raises ModelError: the model cannot be used
         self.servicer = CosyStreamServicer(
             self.engine, self.config.stream, FrontendMetrics(), self.token_sessions, self.second_pass
