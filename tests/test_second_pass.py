@@ -298,6 +298,28 @@ def test_utterances_that_end_together_are_read_in_one_call_by_length_and_up_to_m
     asyncio.run(scenario())
 
 
+@needs_espeak
+def test_a_hurry_caps_every_jobs_wait_queued_running_and_later():
+    short = int16(speech(SENTENCE))
+    long = np.tile(short, 5)  # (~13 s: read for longer than the cap below)
+
+    async def scenario():
+        async with started_second_pass(60_000) as second_pass:
+            answers: dict = {}
+            second_pass.submit(1, 0, long, True, lambda result: answers.setdefault(0, result))
+            await asyncio.sleep(0.05)  # (running)
+            second_pass.submit(2, 1, short, True, lambda result: answers.setdefault(1, result))
+            second_pass.hurry(0.2)  # (as a drain's cut does, long before the 60 s deadline)
+            await asyncio.wait_for(_until(lambda: len(answers) == 2), 10)
+            assert answers == {0: None, 1: None} and second_pass.stats.late == 2
+            await asyncio.sleep(0.3)
+            second_pass.submit(3, 2, short, True, lambda result: answers.setdefault(2, result))
+            await asyncio.wait_for(_until(lambda: len(answers) == 3), 10)
+            assert answers[2] is None and second_pass.stats.late == 3
+
+    asyncio.run(scenario())
+
+
 async def _until(condition, interval_s: float = 0.02) -> None:
     while not condition():
         await asyncio.sleep(interval_s)
@@ -399,6 +421,54 @@ def test_finalize_and_half_close_each_get_a_second_pass_final_in_order(server, s
     assert [f.final_pass for f in finals] == ["second_pass", "second_pass"]
     assert finals[0].transcript == SENTENCE and finals[1].transcript == "the weather is nice today"
     no_leaks(server, stub)
+
+
+@needs_espeak
+def test_a_stream_chooses_its_finals_and_their_punctuation(server, stub):
+    import grpc
+
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    assert stub.GetServerInfo(pb.GetServerInfoRequest()).final_model == EMBEDDED
+    spoken = "please call me at five o'clock"
+    audio = encode(np.concatenate([silence(0.3), speech(spoken), silence(1.0)]), "LINEAR16")
+    submitted = server.frontend.second_pass.stats.submitted
+    # "streaming": the streaming model's final, and the second pass is not asked
+    streamed = check_event_contract(run_stream(stub, config(final_pass="streaming"), audio))
+    assert [f.final_pass for f in streamed] == ["streaming"]
+    assert server.frontend.second_pass.stats.submitted == submitted
+    # punctuation: Whisper's own writing (capitals, digits, punctuation), words to match
+    written = check_event_contract(
+        run_stream(
+            stub,
+            config(final_pass="second_pass", enable_automatic_punctuation=True, enable_word_time_offsets=True),
+            audio,
+        )
+    )
+    assert [f.final_pass for f in written] == ["second_pass"]
+    assert written[0].transcript.rstrip(".") == "Please call me at 5 o'clock"
+    assert " ".join(w.word for w in written[0].words) == written[0].transcript
+    # a final pass this server does not know
+    with pytest.raises(grpc.RpcError) as refused:
+        run_stream(stub, config(final_pass="third"), audio)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "final_pass" in refused.value.details()
+    no_leaks(server, stub)
+
+
+def test_a_stream_that_asks_for_the_second_pass_of_a_server_without_one_is_refused():
+    import grpc
+
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+    from tests.servers import local_server
+
+    with local_server(max_sessions=2) as srv, grpc.insecure_channel(srv.address) as channel:
+        stub = pb_grpc.CosyStreamStub(channel)
+        assert stub.GetServerInfo(pb.GetServerInfoRequest()).final_model == ""
+        with pytest.raises(grpc.RpcError) as refused:
+            run_stream(stub, config(final_pass="second_pass"), b"\0" * 3200)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "runs no second pass" in refused.value.details()
 
 
 @needs_espeak

@@ -433,15 +433,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--final-model",
         default=None,
-        help="finals from a second pass: a CTranslate2 Whisper directory or embedded:whisper-tiny-en (pip install "
-        "'cosystream[whisper]') re-reads each utterance; interims stay the streaming model's (default: off)",
+        help="finals from a second pass that re-reads each utterance (interims stay the streaming model's): "
+        "embedded:whisper-tiny-en (the whisper extra, which make serve installs), a CTranslate2 Whisper "
+        "directory, or off (default: embedded:whisper-tiny-en when the whisper extra is installed, else off)",
     )
     serve.add_argument(
         "--final-deadline-ms",
         type=int,
         default=None,
-        help="with --final-model: an utterance's final waits at most this long for the second pass, then the "
-        "streaming text is sent (default: 3000)",
+        help="an utterance's final waits at most this long for the second pass, then the streaming text is sent "
+        "(default: 3000)",
+    )
+    serve.add_argument(
+        "--final-max-batch",
+        type=int,
+        default=None,
+        help="utterances of similar length that end together are read by the second pass in one call, up to "
+        "this many (default: 8)",
+    )
+    serve.add_argument(
+        "--final-device",
+        choices=("auto", "cpu", "cuda"),
+        default=None,
+        help="where the second pass runs; auto: a CUDA device when CTranslate2 finds one and loads there "
+        "(default: auto)",
     )
     serve.add_argument(
         "--drain-grace-s",
@@ -511,6 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("--realtime", action="store_true", help="pace the audio at real time (REALTIME)")
     transcribe.add_argument("--interim", action="store_true", help="print interim results too")
     transcribe.add_argument("--words", action="store_true", help="print word time offsets")
+    transcribe.add_argument(
+        "--final-model",
+        default=None,
+        help="in-process: finals from this second pass, as serve --final-model (default: embedded:whisper-tiny-en "
+        "when the whisper extra is installed, else off)",
+    )
     add_connection_args(transcribe)
 
     admin = commands.add_parser(
@@ -594,7 +615,15 @@ def main(argv: list[str] | None = None) -> int:
     flags = (args.tls, args.ca_cert, args.client_cert, args.client_key, args.token)
     if args.server is None and any(flag for flag in flags):  # ($COSYSTREAM_TOKEN alone is fine in-process)
         sys.exit("cosystream transcribe: --tls, --ca-cert, --client-cert, --client-key and --token need --server")
-    return transcribe_command(args.file, args.server, args.realtime, args.interim, args.words, connection)
+    if args.server is not None and args.final_model is not None:
+        sys.exit("cosystream transcribe: --final-model is for the in-process server: a server has its own")
+    try:
+        final_model = None if args.server is not None else second_pass_model(args.final_model)
+    except ValueError as err:
+        sys.exit(f"cosystream transcribe: {err}")
+    return transcribe_command(
+        args.file, args.server, args.realtime, args.interim, args.words, connection, final_model
+    )
 
 
 def admin_command(args: argparse.Namespace) -> int:
@@ -735,10 +764,30 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             decoder=decoder,
             decoders=decoders,
             second_pass=None
-            if args.final_model is None
-            else SecondPassConfig(args.final_model, **given(deadline_ms=args.final_deadline_ms)),
+            if (final_model := second_pass_model(args.final_model)) is None
+            else SecondPassConfig(
+                final_model,
+                **given(
+                    deadline_ms=args.final_deadline_ms, max_batch=args.final_max_batch, device=args.final_device
+                ),
+            ),
         ),
     )
+
+
+def second_pass_model(flag: str | None) -> str | None:
+    """``--final-model`` -> the second pass's model, or None for none: ``off``; not given, the packaged Whisper
+    when the whisper extra is installed (said in the log either way)."""
+    from cosystream.secondpass.whisper import EMBEDDED_WHISPER, packaged_model_installed
+
+    if flag is not None:
+        return None if flag == "off" else flag
+    if packaged_model_installed():
+        return EMBEDDED_WHISPER
+    log.info(
+        "second pass off: finals come from the streaming model (pip install 'cosystream[whisper]' turns it on)"
+    )
+    return None
 
 
 def compile_only(configs: list) -> int:

@@ -123,17 +123,24 @@ def transcribe_command(
     interim: bool = False,
     words: bool = False,
     connection: Connection | None = None,
+    final_model: str | None = None,
 ) -> int:
     """``cosystream transcribe``: the file's finals (and interims) printed, nothing else on stdout (logs go to
-    stderr, and only warnings unless ``--log-level`` says more); 1 with the reason on failure."""
+    stderr, and only warnings unless ``--log-level`` says more); 1 with the reason on failure. ``final_model``:
+    the in-process server's second pass (None: finals from the streaming model)."""
     server = None
     address = None if server_at is None else server_address(server_at)
     try:
         samples, rate = read_audio(path)  # before an in-process engine is started for it: a bad file fails at once
         if address is None:
             from cosystream.app.local import LocalServer
+            from cosystream.secondpass.worker import SecondPassConfig
+            from cosystream.server.frontend import FrontendConfig
+            from cosystream.server.servicer import StreamOptions
 
-            server = LocalServer().start()
+            second_pass = None if final_model is None else SecondPassConfig(final_model)
+            frontend = FrontendConfig(host="127.0.0.1", port=0, stream=StreamOptions(second_pass=second_pass))
+            server = LocalServer(frontend_config=frontend).start()
             address = server.address
         for response in stream_samples(address, samples, rate, realtime, interim, words, connection):
             for result in response.results:

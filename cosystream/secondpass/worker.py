@@ -144,6 +144,7 @@ class SecondPass:
         self._running: list[_Job] = []  # the batch the worker reads now
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._restarts: list[float] = []
+        self._cutoff_s: float | None = None  # (monotonic) set by hurry()
         self.enabled = False
 
     @property
@@ -177,13 +178,27 @@ class SecondPass:
             if self.observer is not None:
                 self.observer.job_ended("refused", 0.0)
             return False
-        deadline_s = time.monotonic() + self.config.deadline_ms / 1e3
+        wait_s = self.config.deadline_ms / 1e3
+        if self._cutoff_s is not None:
+            wait_s = max(0.0, min(wait_s, self._cutoff_s - time.monotonic()))
+        deadline_s = time.monotonic() + wait_s
         job = _Job(key, index, audio, deadline_s, on_done)
-        job.timer = self._loop.call_at(self._loop.time() + self.config.deadline_ms / 1e3, self._late, job)
+        job.timer = self._loop.call_at(self._loop.time() + wait_s, self._late, job)
         heapq.heappush(self._heap, (0 if realtime else 1, deadline_s, next(self._seq), job))
         self.stats.submitted += 1
         self._loop.call_soon(self._dispatch)
         return True
+
+    def hurry(self, within_s: float) -> None:
+        """From now on no job waits past ``within_s`` from now (queued, running or submitted later): a drain's
+        cut streams get their finals before the drain stops waiting for them, whatever the deadline."""
+        cutoff_s = time.monotonic() + within_s
+        self._cutoff_s = cutoff_s if self._cutoff_s is None else min(self._cutoff_s, cutoff_s)
+        for job in [entry[-1] for entry in self._heap] + self._running:
+            if not job.done and job.deadline_s > cutoff_s:
+                job.deadline_s = cutoff_s
+                job.timer.cancel()
+                job.timer = self._loop.call_later(within_s, self._late, job)
 
     def cancel(self, key: int) -> None:
         """Session ``key`` closed: its jobs are answered with nothing and not run."""

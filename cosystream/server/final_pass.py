@@ -36,13 +36,32 @@ class FinalPass:
     """A session's link to the frontend's :class:`SecondPass`. ``on_answer`` is called (on the loop) when an
     answer came for the final that waits: the session then sends it."""
 
-    __slots__ = ("_answer", "_chunks", "_frames", "_state", "key", "max_frames", "on_answer", "realtime", "second")
+    __slots__ = (
+        "_answer",
+        "_chunks",
+        "_frames",
+        "_state",
+        "key",
+        "max_frames",
+        "on_answer",
+        "punctuation",
+        "realtime",
+        "second",
+    )
 
     def __init__(
-        self, second: SecondPass, key: int, realtime: bool, max_frames: int, on_answer: Callable[[], None]
+        self,
+        second: SecondPass,
+        key: int,
+        realtime: bool,
+        max_frames: int,
+        on_answer: Callable[[], None],
+        punctuation: bool = False,
     ):
+        """``punctuation``: finals keep Whisper's own writing (capitals, punctuation, digits)."""
         self.second, self.key, self.realtime, self.max_frames = second, key, realtime, max_frames
         self.on_answer = on_answer
+        self.punctuation = punctuation
         self._chunks: list[np.ndarray] = []
         self._frames = 0
         self._state = _IDLE
@@ -89,10 +108,10 @@ class FinalPass:
                 log.debug("second pass gated (%s): the streaming final stands", answer.gated)
             return
         result.final_pass = SECOND_PASS
-        result.transcript = answer.text
+        result.transcript = answer.written if self.punctuation else answer.text
         result.confidence = math.exp(min(0.0, answer.avg_logprob))
         if result.words:
-            words = answer.text.split()
+            words = result.transcript.split()
             streamed = list(result.words)
             del result.words[:]
             if len(words) == len(streamed):

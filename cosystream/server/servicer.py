@@ -37,7 +37,7 @@ from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
 from cosystream.server.engine_pool import EnginePool
-from cosystream.server.final_pass import MAX_AUDIO_S, FinalPass
+from cosystream.server.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, FinalPass
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
@@ -85,7 +85,13 @@ class ConfigError(ValueError):
     """A StreamingConfig the server cannot run; the message says what to fix."""
 
 
-def validate_config(config: pb.StreamingConfig, info: EngineInfo, defaults: EndpointingConfig) -> SessionConfig:
+FINAL_PASSES = ("", STREAMING, SECOND_PASS)
+
+
+def validate_config(
+    config: pb.StreamingConfig, info: EngineInfo, defaults: EndpointingConfig, second_pass: bool = False
+) -> SessionConfig:
+    """``second_pass``: whether the server runs one (a stream that asks for it is refused otherwise)."""
     if config.encoding not in AudioEncoding._value2member_map_:
         raise ConfigError(f"unknown encoding {config.encoding}: use LINEAR16, MULAW or ALAW")
     encoding = AudioEncoding(config.encoding or AudioEncoding.LINEAR16)
@@ -115,6 +121,15 @@ def validate_config(config: pb.StreamingConfig, info: EngineInfo, defaults: Endp
         )
     except ValueError as err:
         raise ConfigError(f"endpointing: {err}") from None
+    if config.final_pass not in FINAL_PASSES:
+        raise ConfigError(
+            f"unknown final_pass {config.final_pass!r}: use streaming, second_pass, or leave it empty"
+        )
+    if config.final_pass == SECOND_PASS and not second_pass:
+        raise ConfigError(
+            "final_pass 'second_pass': this server runs no second pass (serve --final-model); leave final_pass "
+            "empty for the server's choice"
+        )
     return SessionConfig(
         encoding=encoding,
         sample_rate_hz=rate,
@@ -123,6 +138,8 @@ def validate_config(config: pb.StreamingConfig, info: EngineInfo, defaults: Endp
         endpointing=endpointing,
         word_time_offsets=config.enable_word_time_offsets,
         model=model,
+        second_pass=second_pass and config.final_pass != STREAMING,
+        punctuation=config.enable_automatic_punctuation,
     )
 
 
@@ -208,13 +225,14 @@ class _Stream:
             model_version=model.version,
             pacer=AudioPacer(servicer.options.realtime_burst_s) if config.priority == Priority.REALTIME else None,
             final_pass=None
-            if servicer.second_pass is None
+            if servicer.second_pass is None or not config.second_pass
             else FinalPass(
                 servicer.second_pass,
                 self.key,
                 config.priority == Priority.REALTIME,
                 MAX_AUDIO_S * 1000 // FRAME_MS,
                 self._second_pass_answered,
+                config.punctuation,
             ),
         )
         self.reader: asyncio.Task | None = None
@@ -470,7 +488,9 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         if first.WhichOneof("request") != "config":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         try:
-            config = validate_config(first.config, self.info, self.options.default_endpointing)
+            config = validate_config(
+                first.config, self.info, self.options.default_endpointing, self.second_pass is not None
+            )
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         token = current_token()
@@ -553,6 +573,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             max_sessions=info.max_sessions,
             active_sessions=self.engine.active_sessions,
             device=info.device,
+            final_model=self.second_pass.config.model if self.second_pass and self.second_pass.enabled else "",
             default_endpointing=pb.EndpointingConfig(
                 silence_ms=defaults.silence_ms,
                 max_utterance_ms=defaults.max_utterance_ms,
@@ -579,6 +600,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         if await self._streams_ended_within(grace_s):
             return
         log.info("drain grace over: cutting %d open sessions after their finals", len(self._streams))
+        if self.second_pass is not None:  # (finals that wait for it come before the wait below ends)
+            self.second_pass.hurry(max(0.0, final_wait_s - 1.0))
         for stream in list(self._streams):
             stream.cut(
                 grpc.StatusCode.UNAVAILABLE,

@@ -50,6 +50,8 @@ class SessionConfig:
     endpointing: EndpointingConfig
     word_time_offsets: bool
     model: int = 0  # which of the engine's models (a position in EngineInfo.models when validated)
+    second_pass: bool = False  # finals from the server's second pass (it runs one, and the stream did not opt out)
+    punctuation: bool = False  # second-pass finals keep its capitals, punctuation and digits
 
 
 REALTIME_BURST_S = 2.0

@@ -93,6 +93,7 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
     native = pb.StreamingConfig(
         enable_word_time_offsets=config.enable_word_time_offsets or config.enable_word_confidence,
         model=info.models[model].name if model else "",
+        enable_automatic_punctuation=config.enable_automatic_punctuation,
     )
     return declared, native
 

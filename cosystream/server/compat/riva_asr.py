@@ -90,7 +90,10 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         stop_ms = config.endpointing_config.stop_history
         endpointing.silence_ms = -(-stop_ms // _FRAME_MS) * _FRAME_MS
     native = pb.StreamingConfig(
-        enable_word_time_offsets=config.enable_word_time_offsets, endpointing=endpointing, model=config.model
+        enable_word_time_offsets=config.enable_word_time_offsets,
+        endpointing=endpointing,
+        model=config.model,
+        enable_automatic_punctuation=config.enable_automatic_punctuation,
     )
     return declared, native
 

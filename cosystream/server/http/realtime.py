@@ -97,6 +97,7 @@ class _Buffer:
             endpointing=endpointing,
             model=native_model(connection.servicer, settings.model),
             enable_word_time_offsets=True,
+            enable_automatic_punctuation=True,  # (OpenAI's transcriptions are written text)
         )
         self.stream = NativeStream(connection.servicer, config, connection.token)
         self.task = asyncio.get_running_loop().create_task(self._pump())

@@ -146,6 +146,7 @@ class Transcriber:
             priority=Priority.BATCH,
             model=model,
             enable_word_time_offsets=True,
+            enable_automatic_punctuation=True,  # (OpenAI's transcriptions are written text)
         )
         stream = NativeStream(self.servicer, config, token)
         feeder = asyncio.get_running_loop().create_task(stream.feed(_pcm16(audio)))
