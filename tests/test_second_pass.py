@@ -105,6 +105,7 @@ class _Recorder:
 
 
 def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_is_read_again():
+    from cosystream.secondpass.whisper import SecondPassResult
     from cosystream.server.final_pass import FinalPass
     from cosystream.v1 import cosystream_pb2 as pb
 
@@ -113,26 +114,28 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
     frames = np.full((4, 160), 0.5, np.float32)
     for _ in range(3):  # 12 frames: over the cap of 10
         final_pass.keep(frames)
-    assert final_pass.ready(0) and second.jobs == []  # the streaming final, now
-    result = pb.StreamingResult(transcript="streamed", is_final=True)
-    final_pass.apply(result)
-    assert result.final_pass == "streaming" and result.transcript == "streamed"
+    result = pb.StreamingResult(transcript="streamed", is_final=True, final_pass="streaming")
+    assert final_pass.take(0, result) is None and second.jobs == []  # the streaming final, now
     final_pass.keep(frames)  # the next utterance, within the cap
-    assert not final_pass.ready(1) and len(second.jobs) == 1
+    result = pb.StreamingResult(transcript="hallo", is_final=True, start_ms=1000, end_ms=2000)
+    result.words.extend([pb.WordInfo(word="hallo", start_ms=1000, end_ms=2000)])
+    held = final_pass.take(1, result)
+    assert held is not None and not held.answered and len(second.jobs) == 1
     key, index, audio, realtime, on_done = second.jobs[0]
     assert (key, index, realtime) == (7, 1, True) and audio.dtype == np.int16 and len(audio) == 4 * 160
     assert audio[0] == 16384
-    assert not final_pass.ready(1)  # (still waiting: submitted once)
-    from cosystream.secondpass.whisper import SecondPassResult
-
+    # a third utterance ends before the second's answer: both wait, each for its own
+    final_pass.keep(frames)
+    third = final_pass.take(2, pb.StreamingResult(transcript="streamed again", is_final=True))
+    assert third is not None and len(second.jobs) == 2
     on_done(SecondPassResult("hello there", no_speech_prob=0.1, avg_logprob=-0.2))
-    assert answered == [1] and final_pass.ready(1)
-    result = pb.StreamingResult(transcript="hallo", is_final=True, start_ms=1000, end_ms=2000)
-    result.words.extend([pb.WordInfo(word="hallo", start_ms=1000, end_ms=2000)])
-    final_pass.apply(result)
+    assert answered == [1] and held.answered and not third.answered
     assert result.final_pass == "second_pass" and result.transcript == "hello there"
     spans = [(w.word, w.start_ms, w.end_ms) for w in result.words]
     assert spans == [("hello", 1000, 1500), ("there", 1500, 2000)]  # spread by length: one word became two
+    second.jobs[1][-1](None)  # (late, or the worker failed): the streaming text stands
+    assert third.answered and third.result.final_pass == "streaming"
+    assert third.result.transcript == "streamed again"
 
 
 # --- the transcriber -----------------------------------------------------------------------------------
@@ -333,6 +336,10 @@ def test_a_worker_that_dies_answers_none_and_is_started_again():
         async with started_second_pass(60_000) as second_pass:
             workers = list(second_pass._pool._processes.values())
             assert len(workers) == 1
+            # it runs below the streaming processes' CPU priority
+            assert os.getpriority(os.PRIO_PROCESS, workers[0].pid) == min(
+                19, os.getpriority(os.PRIO_PROCESS, 0) + 10
+            )
             answered = asyncio.Event()
             results: list = []
             second_pass.submit(1, 0, np.tile(audio, 5), True, lambda r: (results.append(r), answered.set()))

@@ -201,3 +201,45 @@ def test_every_frame_goes_to_the_engine_at_most_once():
     assert audio_frames <= len(audio) // FRAME_SAMPLES + 50 + 20  # speech, pre-roll, hangover
     finals = [r.results[0] for r in emitted if r.results and r.results[0].is_final]
     assert [f.utterance_index for f in finals] == list(range(len(finals)))
+
+
+class HeldSecondPass:
+    """Stands in for the frontend's worker queue: keeps each job until the test answers it."""
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def submit(self, key, index, audio, realtime, on_done) -> bool:
+        self.jobs.append((index, on_done))
+        return True
+
+    def cancel(self, key) -> None:
+        self.jobs.clear()
+
+
+def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_stream():
+    from cosystream.secondpass.whisper import SecondPassResult
+    from cosystream.server.final_pass import FinalPass
+
+    second = HeldSecondPass()
+    final_pass = FinalPass(second, key=1, realtime=True, max_frames=6000, on_answer=lambda: session.resume())
+    session, engine, emitted = make_session(final_pass=final_pass)
+    feed(session, engine, talk())
+    assert kinds(emitted)[-1] == "ended" and [index for index, _ in second.jobs] == [0]  # the final is held
+    sent_before = engine.frames_sent
+    feed(session, engine, talk())  # the next utterance, while the first final waits
+    assert engine.frames_sent > sent_before + 100  # its frames went to the engine and were decoded...
+    assert kinds(emitted)[-1] == "ended" and not session.done  # ...and its responses wait behind the final
+    assert [index for index, _ in second.jobs] == [0, 1]
+    second.jobs[1][1](SecondPassResult("two", no_speech_prob=0.0, avg_logprob=-0.1))
+    assert kinds(emitted)[-1] == "ended"  # (the second's answer cannot pass the first final)
+    second.jobs[0][1](SecondPassResult("one", no_speech_prob=0.0, avg_logprob=-0.1))
+    events = kinds(emitted)
+    assert events.count("final") == 2 and events[-1] == "final" and session.done
+    finals = [r.results[0] for r in emitted if r.results and r.results[0].is_final]
+    assert [(f.utterance_index, f.transcript, f.final_pass) for f in finals] == [
+        (0, "one", "second_pass"),
+        (1, "two", "second_pass"),
+    ]
+    second_started = next(i for i, e in enumerate(events) if e == "started" and i > events.index("final"))
+    assert events.index("final") < second_started  # the contract's order: final 0, then utterance 1's events

@@ -1,7 +1,9 @@
 """The second pass's worker process and the frontend's handle on it.
 
 One worker process per frontend (``concurrent.futures.ProcessPoolExecutor(max_workers=1)``, spawned, so it
-inherits neither the frontend's gRPC threads nor torch) reads one batch at a time: the job at the head of the
+inherits neither the frontend's gRPC threads nor torch, and niced below the streaming processes, so that on
+a busy CPU the streaming steps keep their cores and the second pass's finals fall back to the streaming ones
+at their deadline instead of delaying every stream) reads one batch at a time: the job at the head of the
 queue and up to ``max_batch - 1`` more of the same priority whose audio falls in the same length bucket
 (:func:`length_bucket`: a short utterance is not padded to a long one's length), in one encoder call and one
 batched decode. Utterances that end near each other (several sessions pausing together) so share a call; a
@@ -27,6 +29,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +56,9 @@ class SecondPassConfig:
     max_batch: int = 8  # utterances read in one call
     cpu_threads: int = 1
     device: str = "cpu"  # cpu, cuda, or auto (CUDA when CTranslate2 sees and loads on one)
+    # The worker's CPU priority below the streaming processes': on a busy CPU the streaming steps keep their
+    # cores and the second pass gets what is left (its finals then pass their deadline: the streaming ones).
+    nice: int = 10
     # A job still running this long after its deadline has hung the worker: it is killed and started again.
     stuck_after_s: float = 30.0
 
@@ -62,6 +68,8 @@ class SecondPassConfig:
             raise ValueError(f"final deadline must be 1 to 600000 ms, got {self.deadline_ms}")
         if self.max_queued < 1 or self.cpu_threads < 1 or self.max_batch < 1:
             raise ValueError("max_queued, max_batch and cpu_threads must be >= 1")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"second-pass nice must be 0 to 19, got {self.nice}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"second-pass device must be cpu, cuda or auto, got {self.device!r}")
         if not self.stuck_after_s > 0:
@@ -73,12 +81,13 @@ class SecondPassConfig:
 _transcriber = None
 
 
-def _load(spec: str, cpu_threads: int, device: str) -> tuple[float, str]:
+def _load(spec: str, cpu_threads: int, device: str, nice: int) -> tuple[float, str]:
     """Load the model (once per process); returns the seconds a 1 s warm-up took and the device it runs on."""
     global _transcriber
     from cosystream.secondpass.whisper import WhisperTranscriber
 
     if _transcriber is None:
+        os.nice(nice)  # (the streaming engine and frontends come first for the CPU)
         _transcriber = WhisperTranscriber(spec, cpu_threads, device)
     return _transcriber.transcribe(np.zeros(16000, dtype=np.int16)).compute_s, _transcriber.device
 
@@ -223,8 +232,8 @@ class SecondPass:
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _load_args(self) -> tuple[str, int, str]:
-        return self.config.model, self.config.cpu_threads, self.config.device
+    def _load_args(self) -> tuple[str, int, str, int]:
+        return self.config.model, self.config.cpu_threads, self.config.device, self.config.nice
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(

@@ -1,12 +1,14 @@
-"""One session's second pass: the current utterance's audio kept, sent to the second pass when it ends,
-and its answer put into the final.
+"""One session's second pass: each utterance's audio kept, sent to the second pass when it ends, and its
+answer put into that utterance's final.
 
 The session keeps every 16 kHz frame it forwards for the utterance (its pre-roll included, the end-of-
 utterance silence not), at most :data:`MAX_AUDIO_S` of it (1.9 MB); a longer utterance (a client may ask for
-up to 600 s) keeps its streaming final: Whisper would take longer than any deadline on it. When the utterance ends its
-final waits (the next utterance's SPEECH_STARTED waits behind it, as behind any final) until the second pass
-answers, its deadline passes, or it fails; then the final is sent with Whisper's text, or with the streaming
-text when the answer is gated, late or missing. ``final_pass`` on the result says which.
+up to 600 s) keeps its streaming final: Whisper would take longer than any deadline on it. When the utterance
+ends, its streaming final is built and held until the second pass answers, its deadline passes, or it fails;
+then it is sent with Whisper's text, or with the streaming text when the answer is gated, late or missing.
+``final_pass`` on the result says which. The stream does not wait meanwhile: the next utterance's frames go
+to the engine as they come, and only its responses queue behind the held final (``Session``), so a slow
+second pass delays what a client sees by at most one deadline, never cumulatively.
 
 Word times: Whisper's text comes with no times of its own here. When it has as many words as the streaming
 final, each word keeps the streaming word's times; otherwise the words are spread over the utterance's span
@@ -29,18 +31,16 @@ log = logging.getLogger(__name__)
 
 STREAMING, SECOND_PASS = "streaming", "second_pass"
 MAX_AUDIO_S = 60
-_IDLE, _WAITING, _ANSWERED = 0, 1, 2
 
 
 class FinalPass:
-    """A session's link to the frontend's :class:`SecondPass`. ``on_answer`` is called (on the loop) when an
-    answer came for the final that waits: the session then sends it."""
+    """A session's link to the frontend's :class:`SecondPass`. ``on_answer`` is called (on the loop) each
+    time an answer (or its absence) came for a held final: the session then sends what it can."""
 
     __slots__ = (
-        "_answer",
         "_chunks",
         "_frames",
-        "_state",
+        "_waiting",
         "key",
         "max_frames",
         "on_answer",
@@ -64,8 +64,7 @@ class FinalPass:
         self.punctuation = punctuation
         self._chunks: list[np.ndarray] = []
         self._frames = 0
-        self._state = _IDLE
-        self._answer: SecondPassResult | None = None
+        self._waiting = 0  # jobs submitted and not answered yet
 
     def keep(self, frames: np.ndarray) -> None:
         """Frames (float, ``(n, 160)``) forwarded for the current utterance; past ``max_frames`` the
@@ -77,31 +76,50 @@ class FinalPass:
         self._chunks.append((np.clip(frames, -1, 1 - 1 / 32768) * 32768).astype(np.int16).reshape(-1))
         self._frames += len(frames)
 
-    def ready(self, index: int) -> bool:
-        """Whether utterance ``index``'s final may be sent now; the first call submits its audio (False: it
-        waits for :attr:`on_answer`)."""
-        if self._state == _ANSWERED:
-            return True
-        if self._state == _WAITING:
-            return False
+    def take(self, index: int, result: pb.StreamingResult) -> Held | None:
+        """Utterance ``index`` ended and ``result`` is its streaming final: submit its audio. Returns the held
+        final (send it once :attr:`Held.answered`), or None when it may be sent now (refused, too long, or
+        nothing heard: the streaming final)."""
         audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
         over = self._frames > self.max_frames
         self._chunks.clear()
         self._frames = 0
-        if len(audio) and not over and self.second.submit(self.key, index, audio, self.realtime, self._answered):
-            self._state = _WAITING
-            return False
-        self._state = _ANSWERED  # (refused, too long, or nothing heard: the streaming final now)
-        return True
+        if not len(audio) or over:
+            return None
+        held = Held(result, self.punctuation)
 
-    def _answered(self, result: SecondPassResult | None) -> None:
-        self._state, self._answer = _ANSWERED, result
-        self.on_answer()
+        def answered(answer: SecondPassResult | None) -> None:
+            self._waiting -= 1
+            held.answer(answer)
+            self.on_answer()
 
-    def apply(self, result: pb.StreamingResult) -> None:
-        """Put the answer into ``result`` (a final with the streaming model's text) and get ready for the
-        next utterance."""
-        answer, self._answer, self._state = self._answer, None, _IDLE
+        if not self.second.submit(self.key, index, audio, self.realtime, answered):
+            return None
+        self._waiting += 1
+        return held
+
+    def close(self) -> None:
+        """The session closed: its waiting jobs are dropped unrun."""
+        self._chunks.clear()
+        if self._waiting:
+            self.second.cancel(self.key)
+            self._waiting = 0
+
+
+class Held:
+    """A streaming final held for the second pass's answer."""
+
+    __slots__ = ("answered", "punctuation", "result")
+
+    def __init__(self, result: pb.StreamingResult, punctuation: bool):
+        self.result, self.punctuation = result, punctuation
+        self.answered = False
+
+    def answer(self, answer: SecondPassResult | None) -> None:
+        """Put the answer into the held final (a final with the streaming model's text): Whisper's text, or
+        the streaming text when there is none, or it is gated."""
+        self.answered = True
+        result = self.result
         if answer is None or answer.gated or not answer.text:
             result.final_pass = STREAMING
             if answer is not None and answer.gated:
@@ -122,13 +140,6 @@ class FinalPass:
                 pb.WordInfo(word=word, start_ms=start, end_ms=end, confidence=result.confidence)
                 for word, (start, end) in zip(words, spans, strict=True)
             )
-
-    def close(self) -> None:
-        """The session closed: its waiting job is dropped unrun."""
-        self._chunks.clear()
-        if self._state == _WAITING:
-            self.second.cancel(self.key)
-        self._state = _IDLE
 
 
 def spread(words: list[str], start_ms: int, end_ms: int) -> list[tuple[int, int]]:

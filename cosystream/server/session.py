@@ -9,8 +9,10 @@ the event contract holds by construction: an utterance's frames are sent only af
 its final only after the results of all its frames, and the next utterance's SPEECH_STARTED and frames
 only after that final and the engine-side reset of the model state.
 
-With a second pass (``serve --final-model``, ``final_pass.py``) an utterance's final also waits for the
-second pass's answer (or its deadline), which may replace the streaming text; ``final_pass`` says which.
+With a second pass (``serve --final-model``, ``final_pass.py``) an utterance's final is held until the
+second pass answers (or its deadline passes), which may replace the streaming text; ``final_pass`` says
+which. The stream goes on meanwhile (the next utterance's frames go to the engine and are decoded), and the
+responses that come after a held final wait behind it, so the client sees them in the contract's order.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cosystream.decoding.beam import BeamCtcDecoder
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
-from cosystream.server.final_pass import STREAMING, FinalPass
+from cosystream.server.final_pass import STREAMING, FinalPass, Held
 from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -199,6 +201,9 @@ class Session:
         self._pad_frames_sent = 0  # and frames of end-of-utterance silence (kept <= the audio)
         self._last_queue_s = 0.0
         self._last_compute_s = 0.0
+        # Responses behind a final held for the second pass, in order: (response, receive time, its Held if a
+        # held final, else None). Empty without a second pass.
+        self._held: deque[tuple[pb.StreamingRecognizeResponse, float, Held | None]] = deque()
 
     def use_model(
         self, decoder: CtcDecoder | BeamCtcDecoder, name: str, version: str, output_delay_frames: int
@@ -247,8 +252,8 @@ class Session:
 
     @property
     def done(self) -> bool:
-        """Nothing queued and no utterance waiting for results."""
-        return not self._actions and self._utterance is None
+        """Nothing queued, no utterance waiting for results, no response held for the second pass."""
+        return not self._actions and self._utterance is None and not self._held
 
     def _frames(self, frames: np.ndarray, received_s: float) -> None:
         for i, frame in enumerate(frames):
@@ -318,14 +323,14 @@ class Session:
                     utterance.flushed = True
                 if utterance.received < utterance.sent:
                     return  # the final waits for the results of every frame sent
-                if self.final_pass is not None and not self.final_pass.ready(utterance.index):
-                    return  # and for the second pass (which calls resume())
                 self._final(utterance)
             self._actions.popleft()
 
     def resume(self) -> None:
         """The second pass answered: send the final that waited for it, and what queued behind it."""
-        self._pump()
+        while self._held and (self._held[0][2] is None or self._held[0][2].answered):
+            response, received_s, _ = self._held.popleft()
+            self._send_now(response, received_s)
 
     def close(self) -> None:
         """The stream is over (every exit path): a second-pass job still waiting is dropped."""
@@ -376,13 +381,28 @@ class Session:
         )
 
     def _event(self, kind: int, offset_ms: int, received_s: float) -> None:
-        self.emit(
+        self._send(
             pb.StreamingRecognizeResponse(
                 speech_event=pb.SpeechEvent(type=kind, offset_ms=offset_ms),
                 latency=self._latency(received_s),
                 session_id=self.session_id,
-            )
+            ),
+            received_s,
         )
+
+    def _send(self, response: pb.StreamingRecognizeResponse, received_s: float, held: Held | None = None) -> None:
+        """Send ``response`` now, or queue it behind a final held for the second pass (``held``: this one is)."""
+        if self._held or held is not None:
+            self._held.append((response, received_s, held))
+        else:
+            self._send_now(response, received_s)
+
+    def _send_now(self, response: pb.StreamingRecognizeResponse, received_s: float) -> None:
+        if response.results:
+            response.latency.receive_to_send_ms = (self.clock() - received_s) * 1e3
+            if self.on_result_latency is not None:
+                self.on_result_latency(response.latency.receive_to_send_ms / 1e3)
+        self.emit(response)
 
     def _newest_arrival(self, utterance: _Utterance) -> float:
         """Receive time of the chunk that completed the newest frame with a result."""
@@ -422,14 +442,13 @@ class Session:
                 )
                 for w in self._ctc.words()
             )
-        if is_final and self.final_pass is not None:
-            self.final_pass.apply(result)
         response = pb.StreamingRecognizeResponse(
             results=[result], latency=self._latency(received_s), session_id=self.session_id
         )
-        self.emit(response)
-        if self.on_result_latency is not None:
-            self.on_result_latency(response.latency.receive_to_send_ms / 1e3)
+        held = None
+        if is_final and self.final_pass is not None:  # (the response's copy of the result is the one changed)
+            held = self.final_pass.take(utterance.index, response.results[0])
+        self._send(response, received_s, held)
         if text and not utterance.first_result_sent:
             utterance.first_result_sent = True
             if self.on_first_result is not None:
