@@ -96,7 +96,7 @@ class _Recorder:
     def __init__(self):
         self.jobs: list = []
 
-    def submit(self, key, index, audio, realtime, on_done) -> bool:
+    def submit(self, key, index, audio, realtime, on_done, word_times=False) -> bool:
         self.jobs.append((key, index, audio, realtime, on_done))
         return True
 
@@ -136,6 +136,46 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
     second.jobs[1][-1](None)  # (late, or the worker failed): the streaming text stands
     assert third.answered and third.result.final_pass == "streaming"
     assert third.result.transcript == "streamed again"
+
+
+def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_words():
+    from cosystream.secondpass.whisper import SecondPassResult, merge_words
+    from cosystream.server.final_pass import Held
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    # Whisper's word tokens: punctuation and a contraction's tail go with the word before them
+    tokens = [("Call", 0.1, 0.3), ("me", 0.3, 0.4), ("at", 0.4, 0.5), ("5", 0.5, 0.7), ("o", 0.7, 0.75)]
+    words = merge_words([*tokens, ("'clock", 0.75, 0.9), (".", 0.9, 1.0)])
+    assert words[-2:] == (("5", 0.5, 0.7), ("o'clock.", 0.7, 0.9))
+    answer = SecondPassResult("call me at five o'clock", 0.0, -0.1, written="Call me at 5 o'clock.", words=words)
+
+    def final() -> pb.StreamingResult:
+        result = pb.StreamingResult(transcript="streamed", is_final=True, start_ms=1050, end_ms=2000)
+        result.words.extend([pb.WordInfo(word="streamed", start_ms=1050, end_ms=2000)])
+        return result
+
+    spoken = Held(final(), punctuation=False, audio_start_ms=1000)
+    spoken.answer(answer)
+    spans = [(w.word, w.start_ms, w.end_ms) for w in spoken.result.words]
+    # (the audio starts at 1000 ms; "Call" is clamped into the utterance's span, which starts at 1050)
+    assert spans == [
+        ("call", 1100, 1300),
+        ("me", 1300, 1400),
+        ("at", 1400, 1500),
+        ("five", 1500, 1700),
+        ("o'clock", 1700, 1900),
+    ]
+    written = Held(final(), punctuation=True, audio_start_ms=1000)
+    written.answer(answer)
+    assert [w.word for w in written.result.words] == ["Call", "me", "at", "5", "o'clock."]
+    assert written.result.transcript == "Call me at 5 o'clock."
+    # no alignment: spread over the utterance's span
+    unaligned = Held(final(), punctuation=False, audio_start_ms=1000)
+    unaligned.answer(SecondPassResult("call me", 0.0, -0.1, written="Call me."))
+    assert [(w.word, w.start_ms, w.end_ms) for w in unaligned.result.words] == [
+        ("call", 1050, 1643),
+        ("me", 1643, 2000),
+    ]
 
 
 # --- the transcriber -----------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ class SecondPassResult:
     gated: str = ""  # "", "no_speech", "low_confidence", "empty", "loop"
     compute_s: float = 0.0  # the whole batch's, when read with others
     written: str = ""  # ``text`` as Whisper wrote it: capitals, punctuation, digits
+    # ``written``'s words with their times (seconds from the utterance's first sample), when asked for
+    words: tuple[tuple[str, float, float], ...] = ()
 
 
 def packaged_model_installed() -> bool:
@@ -178,32 +180,43 @@ class WhisperTranscriber:
         """``pcm16k``: one utterance, mono 16 kHz, int16 levels or float in [-1, 1]."""
         return self.transcribe_batch([pcm16k])[0]
 
-    def transcribe_batch(self, utterances: list[np.ndarray]) -> list[SecondPassResult]:
+    def transcribe_batch(
+        self, utterances: list[np.ndarray], word_times: list[bool] | None = None
+    ) -> list[SecondPassResult]:
         """Several utterances (as :meth:`transcribe` takes them) read together: every piece of every utterance
         goes through one encoder call and one batched decode, its features padded to the longest piece plus
         :data:`PAD_FRAMES`. On one CPU thread that is 1.1-1.2x the throughput of one call each (4 to 8
         utterances of ~4.5 s), on two 1.3-1.6x, on a GPU far more; batch utterances of similar length (a short
-        one padded to a long one's length pays for the padding)."""
+        one padded to a long one's length pays for the padding). ``word_times[i]``: utterance ``i``'s words
+        get their times, from Whisper's cross-attention alignment (its alignment heads, median-filtered, as
+        faster-whisper's ``word_timestamps``), one more batched decoder pass."""
         started = time.monotonic()
+        word_times = word_times or [False] * len(utterances)
         audios = [
             a.astype(np.float32) / 32768 if a.dtype == np.int16 else a.astype(np.float32) for a in utterances
         ]
         pieces: list[np.ndarray] = []
         owners: list[int] = []
+        offsets_s: list[float] = []
         for owner, audio in enumerate(audios):
             bounds = [0, *cut_points(audio), len(audio)]
             for start, end in itertools.pairwise(bounds):
                 pieces.append(audio[start:end])
                 owners.append(owner)
-        read = self._pieces(pieces) if pieces else []
+                offsets_s.append(start / SAMPLE_RATE_HZ)
+        read = self._pieces(pieces, [word_times[owner] for owner in owners]) if pieces else []
         compute_s = time.monotonic() - started
-        by_owner: list[list[tuple[np.ndarray, tuple[str, float, float, int]]]] = [[] for _ in audios]
-        for owner, piece, piece_read in zip(owners, pieces, read, strict=True):
-            by_owner[owner].append((piece, piece_read))
+        by_owner: list[list[tuple[np.ndarray, Reading]]] = [[] for _ in audios]
+        for owner, piece, offset_s, (text, no_speech, logprob, tokens, words) in zip(
+            owners, pieces, offsets_s, read, strict=True
+        ):
+            words = tuple((word, offset_s + start, offset_s + end) for word, start, end in words)
+            by_owner[owner].append((piece, (text, no_speech, logprob, tokens, words)))
         return [_judge(parts, compute_s) for parts in by_owner]
 
-    def _pieces(self, pieces: list[np.ndarray]) -> list[tuple[str, float, float, int]]:
-        """(raw text, no-speech probability, average log-probability, tokens) of each piece (at most 30 s)."""
+    def _pieces(self, pieces: list[np.ndarray], word_times: list[bool]) -> list[Reading]:
+        """(raw text, no-speech probability, average log-probability, tokens, timed words) of each piece (at
+        most 30 s)."""
         from faster_whisper.audio import pad_or_trim
 
         features = [self.model.feature_extractor(piece)[..., :-1] for piece in pieces]
@@ -221,20 +234,58 @@ class WhisperTranscriber:
             suppress_tokens=[-1],
         )
         read = []
-        for result in results:
-            ids = [t for t in result.sequences_ids[0] if t < self.tokenizer.eot]
+        texts = [[t for t in result.sequences_ids[0] if t < self.tokenizer.eot] for result in results]
+        words = self._align(encoded, texts, [f.shape[-1] for f in features]) if any(word_times) else None
+        for i, (result, ids) in enumerate(zip(results, texts, strict=True)):
             # As faster-whisper: the score is the log-probability over length; the average counts the end token.
             avg_logprob = result.scores[0] * len(ids) / (len(ids) + 1)
-            read.append((self.tokenizer.decode(ids).strip(), result.no_speech_prob, avg_logprob, len(ids) + 1))
+            timed = words[i] if words is not None and word_times[i] else ()
+            read.append(
+                (self.tokenizer.decode(ids).strip(), result.no_speech_prob, avg_logprob, len(ids) + 1, timed)
+            )
         return read
 
+    def _align(
+        self, encoded, texts: list[list[int]], frames: list[int]
+    ) -> list[tuple[tuple[str, float, float], ...]]:
+        """Each piece's words with their (start, end) seconds, from one batched alignment pass; a piece with no
+        text (or a batch holding one, which the alignment cannot take) gets none."""
+        if not all(texts):
+            return [()] * len(texts)
+        aligned = self.model.find_alignment(self.tokenizer, texts, encoded, max(frames))
+        return [
+            merge_words([(w["word"].strip(), float(w["start"]), float(w["end"])) for w in words])
+            for words in aligned
+        ]
 
-def _judge(parts: list[tuple[np.ndarray, tuple[str, float, float, int]]], compute_s: float) -> SecondPassResult:
+
+def merge_words(words: list[tuple[str, float, float]]) -> tuple[tuple[str, float, float], ...]:
+    """Whisper's word tokens as written words: punctuation (",", ".") and a contraction's tail ("'clock",
+    "'s") joined to the word before them, which keeps its start and takes their end."""
+    merged: list[tuple[str, float, float]] = []
+    for word, start, end in words:
+        if not word:
+            continue
+        if merged and (not any(c.isalnum() for c in word) or word.startswith("'")):
+            last, last_start, last_end = merged[-1]
+            merged[-1] = (last + word, last_start, end if word.startswith("'") else last_end)
+        else:
+            merged.append((word, start, end))
+    return tuple(merged)
+
+
+Reading = tuple[str, float, float, int, tuple[tuple[str, float, float], ...]]
+"""What Whisper made of one piece: raw text, no-speech probability, average log-probability, tokens, timed
+words (seconds from the piece's start, then the utterance's)."""
+
+
+def _judge(parts: list[tuple[np.ndarray, Reading]], compute_s: float) -> SecondPassResult:
     """One utterance's result from its pieces' readings: their text joined, or gated (see the module doc)."""
     texts: list[str] = []
+    words: list[tuple[str, float, float]] = []
     no_speech, logprob_sum, tokens = 1.0, 0.0, 0
     gated = ""
-    for piece, (text, piece_no_speech, piece_logprob, piece_tokens) in parts:
+    for piece, (text, piece_no_speech, piece_logprob, piece_tokens, piece_words) in parts:
         no_speech = min(no_speech, piece_no_speech)
         if piece_no_speech > NO_SPEECH_MAX or not text:
             continue  # a silent piece says nothing
@@ -244,6 +295,7 @@ def _judge(parts: list[tuple[np.ndarray, tuple[str, float, float, int]]], comput
         if len(text.split()) > MAX_WORDS_PER_S * seconds + 3 or compression_ratio(text) > COMPRESSION_RATIO_MAX:
             gated = "loop"
         texts.append(text)
+        words.extend(piece_words)
     avg_logprob = logprob_sum / tokens if tokens else -math.inf
     written = " ".join(texts)
     text = spoken_form(written)
@@ -262,4 +314,5 @@ def _judge(parts: list[tuple[np.ndarray, tuple[str, float, float, int]]], comput
         gated=gated,
         compute_s=compute_s,
         written="" if gated else written,
+        words=() if gated else tuple(words),
     )

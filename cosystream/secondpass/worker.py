@@ -92,8 +92,8 @@ def _load(spec: str, cpu_threads: int, device: str, nice: int) -> tuple[float, s
     return _transcriber.transcribe(np.zeros(16000, dtype=np.int16)).compute_s, _transcriber.device
 
 
-def _transcribe(audios: list[np.ndarray]) -> list[SecondPassResult]:
-    return _transcriber.transcribe_batch(audios)
+def _transcribe(audios: list[np.ndarray], word_times: list[bool]) -> list[SecondPassResult]:
+    return _transcriber.transcribe_batch(audios, word_times)
 
 
 def length_bucket(samples: int) -> int:
@@ -118,10 +118,13 @@ class SecondPassObserver(Protocol):
 
 
 class _Job:
-    __slots__ = ("audio", "deadline_s", "done", "index", "key", "on_done", "submitted_s", "timer")
+    __slots__ = ("audio", "deadline_s", "done", "index", "key", "on_done", "submitted_s", "timer", "word_times")
 
-    def __init__(self, key: int, index: int, audio: np.ndarray, deadline_s: float, on_done: OnDone):
+    def __init__(
+        self, key: int, index: int, audio: np.ndarray, deadline_s: float, on_done: OnDone, word_times: bool
+    ):
         self.key, self.index, self.audio, self.deadline_s, self.on_done = key, index, audio, deadline_s, on_done
+        self.word_times = word_times
         self.submitted_s = time.monotonic()
         self.done = False
         self.timer: asyncio.TimerHandle | None = None
@@ -178,8 +181,11 @@ class SecondPass:
         self.enabled = True
         log.info("second pass: %s ready on %s (1 s of audio in %.2f s)", self.config.model, device, warmup_s)
 
-    def submit(self, key: int, index: int, audio: np.ndarray, realtime: bool, on_done: OnDone) -> bool:
-        """Queue utterance ``index`` of session ``key`` (int16, 16 kHz): ``on_done`` gets its result, or None
+    def submit(
+        self, key: int, index: int, audio: np.ndarray, realtime: bool, on_done: OnDone, word_times: bool = False
+    ) -> bool:
+        """Queue utterance ``index`` of session ``key`` (int16, 16 kHz; ``word_times``: its words' times
+        wanted): ``on_done`` gets its result, or None
         (late, failed, or the worker gone), exactly once, on the loop and never from inside this call.
         Returns False (and never calls ``on_done``) when the job is refused: the streaming final stands."""
         if not self.enabled or len(self._heap) >= self.config.max_queued:
@@ -191,7 +197,7 @@ class SecondPass:
         if self._cutoff_s is not None:
             wait_s = max(0.0, min(wait_s, self._cutoff_s - time.monotonic()))
         deadline_s = time.monotonic() + wait_s
-        job = _Job(key, index, audio, deadline_s, on_done)
+        job = _Job(key, index, audio, deadline_s, on_done, word_times)
         job.timer = self._loop.call_at(self._loop.time() + wait_s, self._late, job)
         heapq.heappush(self._heap, (0 if realtime else 1, deadline_s, next(self._seq), job))
         self.stats.submitted += 1
@@ -301,7 +307,7 @@ class SecondPass:
         self._heap = rest  # (sorted: a heap already)
         self._running = batch
         self.stats.batches += 1
-        future = self._pool.submit(_transcribe, [job.audio for job in batch])
+        future = self._pool.submit(_transcribe, [job.audio for job in batch], [job.word_times for job in batch])
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._completed, batch, f))
 
     def _completed(self, batch: list[_Job], future: concurrent.futures.Future) -> None:

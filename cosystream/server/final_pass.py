@@ -10,9 +10,11 @@ then it is sent with Whisper's text, or with the streaming text when the answer 
 to the engine as they come, and only its responses queue behind the held final (``Session``), so a slow
 second pass delays what a client sees by at most one deadline, never cumulatively.
 
-Word times: Whisper's text comes with no times of its own here. When it has as many words as the streaming
-final, each word keeps the streaming word's times; otherwise the words are spread over the utterance's span
-in proportion to their length (a forced alignment of Whisper's words is a later step).
+Word times (for streams that ask for them): from Whisper's own alignment of its words to the audio (its
+cross-attention alignment heads: ``WhisperTranscriber``), each written word's span shared by the spoken
+words it becomes ("25" -> "twenty five"); where that cannot be had (no alignment, or the spoken words of
+the parts differ from those of the whole), the words are spread over the utterance's span in proportion to
+their length.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cosystream.decoding.text import spoken_form
 from cosystream.secondpass.whisper import SecondPassResult
 from cosystream.secondpass.worker import SecondPass
 from cosystream.v1 import cosystream_pb2 as pb
@@ -76,24 +79,24 @@ class FinalPass:
         self._chunks.append((np.clip(frames, -1, 1 - 1 / 32768) * 32768).astype(np.int16).reshape(-1))
         self._frames += len(frames)
 
-    def take(self, index: int, result: pb.StreamingResult) -> Held | None:
-        """Utterance ``index`` ended and ``result`` is its streaming final: submit its audio. Returns the held
-        final (send it once :attr:`Held.answered`), or None when it may be sent now (refused, too long, or
-        nothing heard: the streaming final)."""
+    def take(self, index: int, result: pb.StreamingResult, audio_start_ms: int = 0) -> Held | None:
+        """Utterance ``index`` ended and ``result`` is its streaming final: submit its audio, whose first sample
+        is at ``audio_start_ms`` in the stream. Returns the held final (send it once :attr:`Held.answered`), or
+        None when it may be sent now (refused, too long, or nothing heard: the streaming final)."""
         audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
         over = self._frames > self.max_frames
         self._chunks.clear()
         self._frames = 0
         if not len(audio) or over:
             return None
-        held = Held(result, self.punctuation)
+        held = Held(result, self.punctuation, audio_start_ms)
 
         def answered(answer: SecondPassResult | None) -> None:
             self._waiting -= 1
             held.answer(answer)
             self.on_answer()
 
-        if not self.second.submit(self.key, index, audio, self.realtime, answered):
+        if not self.second.submit(self.key, index, audio, self.realtime, answered, word_times=bool(result.words)):
             return None
         self._waiting += 1
         return held
@@ -109,10 +112,10 @@ class FinalPass:
 class Held:
     """A streaming final held for the second pass's answer."""
 
-    __slots__ = ("answered", "punctuation", "result")
+    __slots__ = ("answered", "audio_start_ms", "punctuation", "result")
 
-    def __init__(self, result: pb.StreamingResult, punctuation: bool):
-        self.result, self.punctuation = result, punctuation
+    def __init__(self, result: pb.StreamingResult, punctuation: bool, audio_start_ms: int = 0):
+        self.result, self.punctuation, self.audio_start_ms = result, punctuation, audio_start_ms
         self.answered = False
 
     def answer(self, answer: SecondPassResult | None) -> None:
@@ -129,17 +132,25 @@ class Held:
         result.transcript = answer.written if self.punctuation else answer.text
         result.confidence = math.exp(min(0.0, answer.avg_logprob))
         if result.words:
-            words = result.transcript.split()
-            streamed = list(result.words)
             del result.words[:]
-            if len(words) == len(streamed):
-                spans = [(w.start_ms, w.end_ms) for w in streamed]
-            else:
-                spans = spread(words, result.start_ms, result.end_ms)
             result.words.extend(
                 pb.WordInfo(word=word, start_ms=start, end_ms=end, confidence=result.confidence)
-                for word, (start, end) in zip(words, spans, strict=True)
+                for word, start, end in self._timed(answer)
             )
+
+    def _timed(self, answer: SecondPassResult) -> list[tuple[str, int, int]]:
+        """The final's words with their spans (ms in the stream), within the utterance's."""
+        low, high = self.result.start_ms, max(self.result.start_ms, self.result.end_ms)
+        words = self.result.transcript.split()
+        timed: list[tuple[str, int, int]] = []
+        for written, start_s, end_s in answer.words:
+            parts = [written] if self.punctuation else spoken_form(written).split()
+            start = min(high, max(low, self.audio_start_ms + round(start_s * 1000)))
+            end = min(high, max(start, self.audio_start_ms + round(end_s * 1000)))
+            timed += [(w, a, b) for w, (a, b) in zip(parts, spread(parts, start, end), strict=True)]
+        if [w for w, _, _ in timed] != words:  # (no alignment, or parts read otherwise than the whole)
+            timed = [(w, a, b) for w, (a, b) in zip(words, spread(words, low, high), strict=True)]
+        return timed
 
 
 def spread(words: list[str], start_ms: int, end_ms: int) -> list[tuple[int, int]]:

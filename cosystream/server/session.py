@@ -447,7 +447,7 @@ class Session:
         )
         held = None
         if is_final and self.final_pass is not None:  # (the response's copy of the result is the one changed)
-            held = self.final_pass.take(utterance.index, response.results[0])
+            held = self.final_pass.take(utterance.index, response.results[0], utterance.first_frame * FRAME_MS)
         self._send(response, received_s, held)
         if text and not utterance.first_result_sent:
             utterance.first_result_sent = True
