@@ -25,8 +25,14 @@ copyright 2003-2010 Allison Smith (recorded by Allison Smith, financial contribu
 see ``/usr/share/doc/asterisk-core-sounds-en/copyright`` in the package, copied into each set as
 ``COPYRIGHT``.
 
+``--final-model SPEC`` (a second-pass Whisper model, as ``serve --final-model`` takes, e.g.
+``embedded:whisper-tiny-en``) scores each cosystream decoder with the second pass as well: a row
+``cosy DECODER+whisper`` beside the decoder's own (whose scores are the same run's first pass), its RTF the
+streaming model's plus Whisper's, and the share of finals that came from Whisper (the rest were gated).
+
     python -m training.eval_set --out data/heldout    # the held-out synthetic voices as a test set
     python -m benchmarks.accuracy --real --prompts data/heldout --telephone
+    python -m benchmarks.accuracy --real --prompts --telephone --decoders beam --final-model embedded:whisper-tiny-en
 """
 
 from __future__ import annotations
@@ -247,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         help="cosystream decoders to score, side by side: greedy, beam (the compiled search when flashlight-text "
         "is installed), beam:python, beam:flashlight",
     )
+    parser.add_argument(
+        "--final-model",
+        default=None,
+        metavar="SPEC",
+        help="also score each decoder with this second-pass Whisper model (a CTranslate2 directory or "
+        "embedded:whisper-tiny-en), as an extra DECODER+whisper row",
+    )
     args = parser.parse_args(argv)
     sets = [Path(s) for s in args.sets]
     if args.real:
@@ -266,20 +279,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("none of --decoders can decode this model")
     rows = []
     keys = ("wer", "cer", "real_time_factor", "decode_us_per_frame")
+    second_pass_keys = ("final_model", "second_pass_share", "second_pass_rtf", "second_pass_gated")
     for test_set in sets:
         wideband = native_rate(test_set) > 8000
         for band in [False, True] if args.telephone and wideband else [False]:
-            ours = {name: evaluate(args.model, test_set, band, d) for name, d in decoders.items()}
+            ours = {}
+            for name, d in decoders.items():
+                result = evaluate(args.model, test_set, band, d, final_model=args.final_model)
+                ours[name] = {k: result[k] for k in keys}
+                if args.final_model:
+                    # One run scores both: the streaming model alone (its first pass) and with the second pass.
+                    ours[name] |= {"wer": result["first_pass_wer"], "cer": result["first_pass_cer"]}
+                    ours[f"{name}+whisper"] = {k: result[k] for k in (*keys, *second_pass_keys)}
+                    ours[f"{name}+whisper"]["real_time_factor"] += result["second_pass_rtf"]
             theirs = pocketsphinx_scores(test_set, band)
-            first = next(iter(ours.values()))
             rows.append(
                 {
                     "set": test_set.name,
                     "band": "8k-mulaw" if band else "16k" if wideband else "8k",
-                    "utterances": first["utterances"],
-                    "audio_seconds": first["audio_seconds"],
-                    "words": sum(len(e["reference"].split()) for e in first["examples"]),
-                    "cosystream": {kind: {k: r[k] for k in keys} for kind, r in ours.items()},
+                    "utterances": result["utterances"],
+                    "audio_seconds": result["audio_seconds"],
+                    "words": sum(len(e["reference"].split()) for e in result["examples"]),
+                    "cosystream": ours,
                     "pocketsphinx": theirs,
                 }
             )
@@ -288,15 +309,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print(
         f"\n{'set':<28} {'band':<9} {'utts':>5} {'decoder':<21} {'WER':>7} {'CER':>6} {'RTF':>6} {'us/frame':>9}"
+        + (f" {'2nd pass':>8}" if args.final_model else "")
     )
     for row in rows:
         lines = [(f"cosy {kind}", r) for kind, r in row["cosystream"].items()]
         lines.append(("pocketsphinx", row["pocketsphinx"]))
         for name, r in lines:
             per_frame = f"{r['decode_us_per_frame']:>9.0f}" if "decode_us_per_frame" in r else f"{'-':>9}"
+            share = f" {r['second_pass_share'] * 100:>7.0f}%" if "second_pass_share" in r else ""
             print(
                 f"{row['set']:<28} {row['band']:<9} {row['utterances']:>5} {name:<21} {r['wer'] * 100:>6.1f}%"
-                f" {r['cer'] * 100:>5.1f}% {r['real_time_factor']:>6.3f} {per_frame}"
+                f" {r['cer'] * 100:>5.1f}% {r['real_time_factor']:>6.3f} {per_frame}{share}"
             )
     return 0
 

@@ -584,6 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "bfloat16", "int8"),
         help="run the model at this precision on the CPU (see serve --precision)",
     )
+    evaluate.add_argument(
+        "--final-model",
+        default=None,
+        help="finals from this second pass too, as serve --final-model (embedded:whisper-tiny-en or a "
+        "CTranslate2 Whisper directory): WER/CER of the finals beside the streaming model's alone",
+    )
     add_decoder_args(evaluate)
     return parser
 
@@ -604,7 +610,15 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, EOFError, ValueError) as err:
             sys.exit(f"cosystream eval: {err}")
         return eval_command(
-            args.model, args.test_set, decoder, args.telephone, args.tilt, args.json, args.show, args.precision
+            args.model,
+            args.test_set,
+            decoder,
+            args.telephone,
+            args.tilt,
+            args.json,
+            args.show,
+            args.precision,
+            args.final_model,
         )
     from cosystream.app.transcribe import transcribe_command
 

@@ -9,6 +9,13 @@ manifest of ``{"audio": PATH, "text": TRANSCRIPT}`` lines (paths relative to the
 ``--telephone`` first passes the audio through an 8 kHz G.711 mu-law round trip, as a phone call would;
 ``--tilt DB`` through a spectral tilt of ``DB`` dB per octave around 1 kHz, as a bright (positive) or muffled
 (negative) microphone would: a measure of how much the channel, not the words, moves the scores.
+
+``final_model`` (a second-pass Whisper model, as ``serve --final-model`` takes) also re-transcribes each
+utterance, the same audio the streaming model got, and its text becomes the final hypothesis unless the second
+pass gated it or said nothing (then the streaming hypothesis stands, as in the server). The final is scored as
+``wer``/``cer``, the streaming model's alone as ``first_pass_wer``/``first_pass_cer``; ``second_pass_share`` is
+the fraction of finals that came from Whisper and ``second_pass_rtf`` its compute over the audio
+(``real_time_factor`` stays the streaming model's: the server runs the second pass in its own process).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from cosystream.decoding.greedy import CtcDecoder
 from cosystream.models import FRAME_SAMPLES, load_model, output_delay_frames
 from cosystream.runtime.runner import Runner, RunnerConfig
 from cosystream.runtime.slab import StateSlab
+from cosystream.secondpass.whisper import WhisperTranscriber
 
 STEP_FRAMES = 16
 
@@ -53,6 +61,26 @@ class Scored:
     words: int
     char_errors: int
     chars: int
+
+
+def score(name: str, reference: str, hypothesis: str) -> Scored:
+    """One utterance's errors; ``reference`` normalized, ``hypothesis`` in the model's alphabet."""
+    return Scored(
+        name,
+        reference,
+        hypothesis,
+        edit_distance(reference.split(), hypothesis.split()),
+        len(reference.split()),
+        edit_distance(list(reference), list(hypothesis)),
+        len(reference),
+    )
+
+
+def error_rates(scored: list[Scored]) -> tuple[float, float]:
+    """(WER, CER) over a test set's scored utterances."""
+    words = sum(s.words for s in scored)
+    chars = sum(s.chars for s in scored)
+    return sum(s.word_errors for s in scored) / max(1, words), sum(s.char_errors for s in scored) / max(1, chars)
 
 
 def normalize(text: str) -> str:
@@ -164,13 +192,18 @@ def evaluate(
     decoding: DecoderConfig | None = None,
     tilt_db: float = 0.0,
     precision: str = "float32",
+    final_model: str | None = None,
 ) -> dict:
+    """Scores of ``model_path`` on ``test_set`` (see the module docstring), with examples. ``final_model``
+    adds the second pass (raises :class:`~cosystream.secondpass.whisper.ModelError` if it cannot load)."""
     torch.set_num_threads(1)
     model = load_model(model_path, precision=precision)
     decoding = (decoding or DecoderConfig()).resolve(model_path)
     runner = eval_runner(model, decoding.top_k)
     decoder = DecoderFactory(decoding, model.vocabulary)()
-    scored, audio_s, compute_s, decode_s = [], 0.0, 0.0, 0.0
+    transcriber = WhisperTranscriber(final_model) if final_model else None
+    scored, first_scored, gated = [], [], []
+    audio_s, compute_s, decode_s, second_pass_s = 0.0, 0.0, 0.0, 0.0
     for utterance in load_set(test_set):
         audio = tilt(utterance.audio, tilt_db)
         audio = telephone(audio) if telephone_band else audio
@@ -180,20 +213,16 @@ def evaluate(
         decode_s += decoding_s
         audio_s += len(audio) / 16000
         reference = normalize(utterance.reference)
-        scored.append(
-            Scored(
-                utterance.name,
-                reference,
-                hypothesis,
-                edit_distance(reference.split(), hypothesis.split()),
-                len(reference.split()),
-                edit_distance(list(reference), list(hypothesis)),
-                len(reference),
-            )
-        )
-    words = sum(s.words for s in scored)
-    chars = sum(s.chars for s in scored)
-    return {
+        if transcriber is not None:
+            first_scored.append(score(utterance.name, reference, hypothesis))
+            second = transcriber.transcribe(audio)
+            second_pass_s += second.compute_s
+            # As the server: a gated or empty answer leaves the streaming final standing.
+            gated.append(second.gated or ("" if second.text else "empty"))
+            hypothesis = hypothesis if gated[-1] else second.text
+        scored.append(score(utterance.name, reference, hypothesis))
+    wer, cer = error_rates(scored)
+    result = {
         "test_set": str(test_set),
         "telephone": telephone_band,
         "tilt_db_per_octave": tilt_db,
@@ -201,13 +230,24 @@ def evaluate(
         "precision": precision,
         "utterances": len(scored),
         "audio_seconds": audio_s,
-        "wer": sum(s.word_errors for s in scored) / max(1, words),
-        "cer": sum(s.char_errors for s in scored) / max(1, chars),
+        "wer": wer,
+        "cer": cer,
         "real_time_factor": compute_s / max(audio_s, 1e-9),
         # Decoder time per 10 ms frame (the rest of the real-time factor is the model).
         "decode_us_per_frame": decode_s / max(audio_s * 100, 1e-9) * 1e6,
         "examples": [{"name": s.name, "reference": s.reference, "hypothesis": s.hypothesis} for s in scored],
     }
+    if transcriber is not None:
+        result["final_model"] = final_model
+        result["first_pass_wer"], result["first_pass_cer"] = error_rates(first_scored)
+        result["second_pass_share"] = gated.count("") / max(1, len(gated))
+        result["second_pass_rtf"] = second_pass_s / max(audio_s, 1e-9)
+        # Why the streaming final stood, by reason ("no_speech", "low_confidence", "empty", "loop").
+        result["second_pass_gated"] = {reason: gated.count(reason) for reason in sorted(set(gated) - {""})}
+        for example, first, reason in zip(result["examples"], first_scored, gated, strict=True):
+            example["first_pass"] = first.hypothesis
+            example["second_pass_gated"] = reason
+    return result
 
 
 def eval_command(
@@ -219,25 +259,37 @@ def eval_command(
     json_path: str | None = None,
     show: int = 5,
     precision: str = "float32",
+    final_model: str | None = None,
 ) -> int:
-    """``cosystream eval``: scores printed (and written to ``json_path``); 1 with the reason on failure."""
+    """``cosystream eval``: scores printed (and written to ``json_path``); 1 with the reason on failure.
+    ``final_model``: score with the Whisper second pass too (see :func:`evaluate`)."""
     try:
-        result = evaluate(model_path, Path(test_set), telephone_band, decoding, tilt_db, precision)
-    except (OSError, EOFError, ValueError, KeyError) as err:
+        result = evaluate(model_path, Path(test_set), telephone_band, decoding, tilt_db, precision, final_model)
+    except (OSError, EOFError, ValueError, KeyError, ImportError) as err:
         print(f"cosystream eval: {err}", file=sys.stderr)
         return 1
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
     for example in result["examples"][:show]:
         print(f"{example['name']}\n  ref: {example['reference']}\n  hyp: {example['hypothesis']}")
+        if "first_pass" in example and example["first_pass"] != example["hypothesis"]:
+            print(f"  1st: {example['first_pass']}")
     band = "8 kHz mu-law" if result["telephone"] else "16 kHz"
     if precision != "float32":
         band += f", {precision}"
     if result["tilt_db_per_octave"]:
         band += f", tilted {result['tilt_db_per_octave']:+g} dB/octave"
+    decoder = result["decoder"]
+    second_pass = ""
+    if "final_model" in result:
+        decoder += f" + second pass {result['final_model']}"
+        second_pass = (
+            f"  second pass: {result['second_pass_share'] * 100:.0f}% of finals, RTF {result['second_pass_rtf']:.3f}"
+            f"; first pass alone WER {result['first_pass_wer'] * 100:.1f}%  CER {result['first_pass_cer'] * 100:.1f}%"
+        )
     print(
-        f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s ({band}, {result['decoder']}): "
+        f"{result['utterances']} utterances, {result['audio_seconds']:.0f} s ({band}, {decoder}): "
         f"WER {result['wer'] * 100:.1f}%  CER {result['cer'] * 100:.1f}%  RTF {result['real_time_factor']:.3f}"
-        f"  (decoder {result['decode_us_per_frame']:.0f} us/frame)"
+        f"  (decoder {result['decode_us_per_frame']:.0f} us/frame)" + second_pass
     )
     return 0
