@@ -405,11 +405,12 @@ def server():
     from cosystream.engine.core import EngineConfig
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
+    from cosystream.server.http import HttpConfig
     from cosystream.server.servicer import StreamOptions
 
     # A deadline no loaded test machine misses (the default is 3 s); one test shortens it.
     stream = StreamOptions(idle_timeout_s=5.0, second_pass=SecondPassConfig(EMBEDDED, deadline_ms=30_000))
-    frontend = FrontendConfig(host="127.0.0.1", port=0, stream=stream)
+    frontend = FrontendConfig(host="127.0.0.1", port=0, stream=stream, http=HttpConfig(host="127.0.0.1", port=0))
     with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=4, max_batch=4)) as srv:
         yield srv
 
@@ -467,6 +468,74 @@ def test_finalize_and_half_close_each_get_a_second_pass_final_in_order(server, s
     assert [f.utterance_index for f in finals] == [0, 1]
     assert [f.final_pass for f in finals] == ["second_pass", "second_pass"]
     assert finals[0].transcript == SENTENCE and finals[1].transcript == "the weather is nice today"
+    no_leaks(server, stub)
+
+
+REAL_VOICE = ROOT / "docs/audio/agent-pass.wav"  # a human voice, 8 kHz (docs/audio/README.md)
+REAL_TEXT = "please enter your password followed by the pound key"
+
+
+def test_every_surface_gets_the_second_pass_final_of_a_real_voice(server, stub):
+    """The official Google, Riva and OpenAI clients, unmodified, and our own API: each gets Whisper's final
+    of a real recording, which the streaming model alone misreads."""
+    import wave
+
+    import grpc
+    import riva.client
+    from google.cloud import speech
+    from google.cloud.speech_v1.services.speech.transports import SpeechGrpcTransport
+    from openai import OpenAI
+
+    with wave.open(str(REAL_VOICE)) as wav:
+        rate, data = wav.getframerate(), wav.readframes(wav.getnframes())
+    native = check_event_contract(run_stream(stub, config(rate_hz=rate), data))
+    assert [(f.transcript, f.final_pass) for f in native] == [(REAL_TEXT, "second_pass")]
+    streamed = check_event_contract(run_stream(stub, config(rate_hz=rate, final_pass="streaming"), data))
+    assert streamed[0].transcript != REAL_TEXT  # (what the second pass is for)
+
+    with grpc.insecure_channel(server.address) as channel:
+        google = speech.SpeechClient(transport=SpeechGrpcTransport(channel=channel))
+        texts = {}
+        for punctuation in (False, True):
+            recognition = speech.RecognitionConfig(
+                encoding=speech.RecognitionConfig.AudioEncoding.LINEAR16,
+                sample_rate_hertz=rate,
+                language_code="en-US",
+                enable_automatic_punctuation=punctuation,
+            )
+            requests = (
+                speech.StreamingRecognizeRequest(audio_content=data[i : i + 3200])
+                for i in range(0, len(data), 3200)
+            )
+            responses = google.streaming_recognize(speech.StreamingRecognitionConfig(config=recognition), requests)
+            texts[punctuation] = [
+                r.alternatives[0].transcript for resp in responses for r in resp.results if r.is_final
+            ]
+    assert texts[False] == [REAL_TEXT]
+    assert len(texts[True]) == 1 and texts[True][0][0] == "P" and spoken_form(texts[True][0]) == REAL_TEXT
+
+    asr = riva.client.ASRService(riva.client.Auth(uri=server.address))
+    try:
+        riva_config = riva.client.StreamingRecognitionConfig(
+            config=riva.client.RecognitionConfig(
+                encoding=riva.client.AudioEncoding.LINEAR_PCM, sample_rate_hertz=rate, language_code="en-US"
+            )
+        )
+        chunks = (data[i : i + 3200] for i in range(0, len(data), 3200))
+        finals = [
+            r.alternatives[0].transcript
+            for response in asr.streaming_response_generator(chunks, riva_config)
+            for r in response.results
+            if r.is_final
+        ]
+    finally:
+        asr.auth.channel.close()
+    assert [t.strip() for t in finals] == [REAL_TEXT]
+
+    http_url = f"http://127.0.0.1:{server.frontend.http_port}/v1"
+    with OpenAI(base_url=http_url, api_key="unused", max_retries=0) as client, REAL_VOICE.open("rb") as f:
+        text = client.audio.transcriptions.create(model="whisper-1", file=f).text
+    assert text[0] == "P" and text.endswith(".") and spoken_form(text) == REAL_TEXT  # (written text, as OpenAI's)
     no_leaks(server, stub)
 
 
