@@ -342,6 +342,29 @@ def test_utterances_that_end_together_are_read_in_one_call_by_length_and_up_to_m
 
 
 @needs_espeak
+def test_a_job_that_would_miss_its_deadline_behind_others_is_refused_at_once():
+    short = int16(speech(SENTENCE))
+    long = np.tile(short, 8)  # (~21 s: by any measured cost, longer to read than the 2 s deadline)
+
+    async def scenario():
+        async with started_second_pass(2000) as second_pass:
+            answers: dict = {}
+            # nothing ahead of it: a job always gets its chance, whatever the estimate
+            assert second_pass.submit(1, 0, long, True, lambda result: answers.setdefault(0, result))
+            await asyncio.sleep(0.05)
+            # behind it, a REALTIME job would pass its deadline: refused now (its streaming final goes now)
+            assert not second_pass.submit(2, 1, short, True, lambda result: answers.setdefault(1, result))
+            assert second_pass.stats.refused == 1 and second_pass.observer.outcomes == ["refused"]
+            await asyncio.wait_for(_until(lambda: 0 in answers and not second_pass._running), 30)
+            # and with the worker free again, the next one is read
+            assert second_pass.submit(3, 2, short, True, lambda result: answers.setdefault(2, result))
+            await asyncio.wait_for(_until(lambda: 2 in answers), 30)
+            assert answers[2] is not None and answers[2].text == SENTENCE
+
+    asyncio.run(scenario())
+
+
+@needs_espeak
 def test_a_hurry_caps_every_jobs_wait_queued_running_and_later():
     short = int16(speech(SENTENCE))
     long = np.tile(short, 5)  # (~13 s: read for longer than the cap below)
@@ -356,9 +379,12 @@ def test_a_hurry_caps_every_jobs_wait_queued_running_and_later():
             await asyncio.wait_for(_until(lambda: len(answers) == 2), 10)
             assert answers == {0: None, 1: None} and second_pass.stats.late == 2
             await asyncio.sleep(0.3)
-            second_pass.submit(3, 2, short, True, lambda result: answers.setdefault(2, result))
-            await asyncio.wait_for(_until(lambda: len(answers) == 3), 10)
-            assert answers[2] is None and second_pass.stats.late == 3
+            # later: refused at once while the worker still reads the first (it would pass the cap), else late
+            if second_pass.submit(3, 2, short, True, lambda result: answers.setdefault(2, result)):
+                await asyncio.wait_for(_until(lambda: len(answers) == 3), 10)
+                assert answers[2] is None and second_pass.stats.late == 3
+            else:
+                assert second_pass.stats.refused == 1
 
     asyncio.run(scenario())
 

@@ -42,6 +42,7 @@ from cosystream.secondpass.whisper import ModelError, SecondPassResult, resolve_
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
+COST_WEIGHT = 0.3  # of the newest batch in the average cost per audio second
 RESTART_WINDOW_S = 60.0
 WARMUP_TIMEOUT_S = 120.0
 
@@ -157,6 +158,11 @@ class SecondPass:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._restarts: list[float] = []
         self._cutoff_s: float | None = None  # (monotonic) set by hurry()
+        # Seconds of work per second of audio, measured (an average over recent batches; first the warm-up's,
+        # which over-estimates: its padding is most of its cost); and the batch running now.
+        self._cost_s = 1.0
+        self._running_audio_s = 0.0
+        self._running_since_s = 0.0
         self.enabled = False
 
     @property
@@ -179,6 +185,7 @@ class SecondPass:
             self.close()
             raise ModelError(f"second pass: {err}") from None
         self.enabled = True
+        self._cost_s = warmup_s  # (1 s of audio)
         log.info("second pass: %s ready on %s (1 s of audio in %.2f s)", self.config.model, device, warmup_s)
 
     def submit(
@@ -188,14 +195,14 @@ class SecondPass:
         wanted): ``on_done`` gets its result, or None
         (late, failed, or the worker gone), exactly once, on the loop and never from inside this call.
         Returns False (and never calls ``on_done``) when the job is refused: the streaming final stands."""
-        if not self.enabled or len(self._heap) >= self.config.max_queued:
+        wait_s = self.config.deadline_ms / 1e3
+        if self._cutoff_s is not None:
+            wait_s = max(0.0, min(wait_s, self._cutoff_s - time.monotonic()))
+        if not self.enabled or len(self._heap) >= self.config.max_queued or self._behind(audio, realtime, wait_s):
             self.stats.refused += 1
             if self.observer is not None:
                 self.observer.job_ended("refused", 0.0)
             return False
-        wait_s = self.config.deadline_ms / 1e3
-        if self._cutoff_s is not None:
-            wait_s = max(0.0, min(wait_s, self._cutoff_s - time.monotonic()))
         deadline_s = time.monotonic() + wait_s
         job = _Job(key, index, audio, deadline_s, on_done, word_times)
         job.timer = self._loop.call_at(self._loop.time() + wait_s, self._late, job)
@@ -203,6 +210,18 @@ class SecondPass:
         self.stats.submitted += 1
         self._loop.call_soon(self._dispatch)
         return True
+
+    def _behind(self, audio: np.ndarray, realtime: bool, wait_s: float) -> bool:
+        """Whether a job with ``audio`` would, by the measured cost, be answered after ``wait_s``, behind the
+        batch running and the jobs queued ahead of it (REALTIME jobs wait only for REALTIME ones). Such a job
+        is refused at once: its final goes now with the streaming text, instead of being held to its deadline
+        and holding back its stream's next responses. A job with nothing ahead of it always gets its chance."""
+        ahead = [entry[-1] for entry in self._heap if not entry[-1].done and (entry[0] == 0 or not realtime)]
+        if not ahead and not self._running:
+            return False
+        running_s = max(0.0, self._running_audio_s * self._cost_s - (time.monotonic() - self._running_since_s))
+        queued_audio_s = (sum(len(job.audio) for job in ahead) + len(audio)) / 16000
+        return running_s + queued_audio_s * self._cost_s > wait_s
 
     def hurry(self, within_s: float) -> None:
         """From now on no job waits past ``within_s`` from now (queued, running or submitted later): a drain's
@@ -306,6 +325,8 @@ class SecondPass:
                 rest.append(entry)
         self._heap = rest  # (sorted: a heap already)
         self._running = batch
+        self._running_audio_s = sum(len(job.audio) for job in batch) / 16000
+        self._running_since_s = time.monotonic()
         self.stats.batches += 1
         future = self._pool.submit(_transcribe, [job.audio for job in batch], [job.word_times for job in batch])
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._completed, batch, f))
@@ -326,8 +347,11 @@ class SecondPass:
             for job in batch:
                 self._answer(job, None, "failed")
         else:
-            if self.observer is not None and results:
-                self.observer.batch_read(len(batch), results[0].compute_s)
+            if results:
+                cost_s = results[0].compute_s / max(self._running_audio_s, 0.1)
+                self._cost_s += COST_WEIGHT * (cost_s - self._cost_s)
+                if self.observer is not None:
+                    self.observer.batch_read(len(batch), results[0].compute_s)
             for job, result in zip(batch, results, strict=True):
                 self._answer(job, result, "used")
         self._dispatch()
