@@ -120,7 +120,10 @@ def test_unloading_refuses_the_default_and_lets_live_sessions_finish(v2_dir):
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "she sells sea shells by the sea shore"]
 SESSIONS = (
-    10  # live sessions during the swap: what a 2-core AVX2 box carries with the eager step and room to spare
+    # Live sessions during the swap: what a 2-core AVX2 box carries with the eager step and room to spare. At
+    # 10 the load's own work in the engine process (weights, warm-up) made 20-70 deadline misses in 1 run of
+    # 2 on this box, on the code before the second pass too.
+    6
 )
 
 
@@ -187,7 +190,7 @@ class Speaker:
 
 
 @needs_espeak
-def test_a_hot_swap_under_ten_realtime_sessions(v2_dir):
+def test_a_hot_swap_under_live_realtime_sessions(v2_dir):
     audio = encode(np.concatenate([part for s in SENTENCES for part in (speech(s), silence(0.9))]), "LINEAR16")
     with Served("--admin", "--frontends", "1", "--max-sessions", str(SESSIONS + 4)) as served:
         v1 = content_version(None)
