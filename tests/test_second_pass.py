@@ -110,7 +110,9 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
     from cosystream.v1 import cosystream_pb2 as pb
 
     second, answered = _Recorder(), []
-    final_pass = FinalPass(second, key=7, realtime=True, max_frames=10, on_answer=lambda: answered.append(1))
+    final_pass = FinalPass(
+        second, key=7, realtime=True, max_frames=10, on_answer=lambda: answered.append(1), word_times=True
+    )
     frames = np.full((4, 160), 0.5, np.float32)
     for _ in range(3):  # 12 frames: over the cap of 10
         final_pass.keep(frames)
@@ -154,7 +156,7 @@ def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_wo
         result.words.extend([pb.WordInfo(word="streamed", start_ms=1050, end_ms=2000)])
         return result
 
-    spoken = Held(final(), punctuation=False, audio_start_ms=1000)
+    spoken = Held(final(), punctuation=False, audio_start_ms=1000, word_times=True)
     spoken.answer(answer)
     spans = [(w.word, w.start_ms, w.end_ms) for w in spoken.result.words]
     # (the audio starts at 1000 ms; "Call" is clamped into the utterance's span, which starts at 1050)
@@ -165,12 +167,16 @@ def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_wo
         ("five", 1500, 1700),
         ("o'clock", 1700, 1900),
     ]
-    written = Held(final(), punctuation=True, audio_start_ms=1000)
+    written = Held(final(), punctuation=True, audio_start_ms=1000, word_times=True)
     written.answer(answer)
     assert [w.word for w in written.result.words] == ["Call", "me", "at", "5", "o'clock."]
     assert written.result.transcript == "Call me at 5 o'clock."
+    # a streaming final that heard no word still gets Whisper's, timed
+    silent = Held(pb.StreamingResult(is_final=True, start_ms=1050, end_ms=2000), False, 1000, word_times=True)
+    silent.answer(answer)
+    assert [w.word for w in silent.result.words] == ["call", "me", "at", "five", "o'clock"]
     # no alignment: spread over the utterance's span
-    unaligned = Held(final(), punctuation=False, audio_start_ms=1000)
+    unaligned = Held(final(), punctuation=False, audio_start_ms=1000, word_times=True)
     unaligned.answer(SecondPassResult("call me", 0.0, -0.1, written="Call me."))
     assert [(w.word, w.start_ms, w.end_ms) for w in unaligned.result.words] == [
         ("call", 1050, 1643),

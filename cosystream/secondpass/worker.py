@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cosystream.secondpass.whisper import ModelError, SecondPassResult, resolve_model
+from cosystream.secondpass.whisper import SAMPLE_RATE_HZ, ModelError, SecondPassResult, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class SecondPass:
         if not ahead and not self._running:
             return False
         running_s = max(0.0, self._running_audio_s * self._cost_s - (time.monotonic() - self._running_since_s))
-        queued_audio_s = (sum(len(job.audio) for job in ahead) + len(audio)) / 16000
+        queued_audio_s = (sum(len(job.audio) for job in ahead) + len(audio)) / SAMPLE_RATE_HZ
         return running_s + queued_audio_s * self._cost_s > wait_s
 
     def hurry(self, within_s: float) -> None:
@@ -325,7 +325,7 @@ class SecondPass:
                 rest.append(entry)
         self._heap = rest  # (sorted: a heap already)
         self._running = batch
-        self._running_audio_s = sum(len(job.audio) for job in batch) / 16000
+        self._running_audio_s = sum(len(job.audio) for job in batch) / SAMPLE_RATE_HZ
         self._running_since_s = time.monotonic()
         self.stats.batches += 1
         future = self._pool.submit(_transcribe, [job.audio for job in batch], [job.word_times for job in batch])

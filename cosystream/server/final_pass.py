@@ -50,6 +50,7 @@ class FinalPass:
         "punctuation",
         "realtime",
         "second",
+        "word_times",
     )
 
     def __init__(
@@ -60,11 +61,13 @@ class FinalPass:
         max_frames: int,
         on_answer: Callable[[], None],
         punctuation: bool = False,
+        word_times: bool = False,
     ):
-        """``punctuation``: finals keep Whisper's own writing (capitals, punctuation, digits)."""
+        """``punctuation``: finals keep Whisper's own writing (capitals, punctuation, digits); ``word_times``:
+        the stream asked for word time offsets (its finals get Whisper's words, timed)."""
         self.second, self.key, self.realtime, self.max_frames = second, key, realtime, max_frames
         self.on_answer = on_answer
-        self.punctuation = punctuation
+        self.punctuation, self.word_times = punctuation, word_times
         self._chunks: list[np.ndarray] = []
         self._frames = 0
         self._waiting = 0  # jobs submitted and not answered yet
@@ -89,14 +92,14 @@ class FinalPass:
         self._frames = 0
         if not len(audio) or over:
             return None
-        held = Held(result, self.punctuation, audio_start_ms)
+        held = Held(result, self.punctuation, audio_start_ms, self.word_times)
 
         def answered(answer: SecondPassResult | None) -> None:
             self._waiting -= 1
             held.answer(answer)
             self.on_answer()
 
-        if not self.second.submit(self.key, index, audio, self.realtime, answered, word_times=bool(result.words)):
+        if not self.second.submit(self.key, index, audio, self.realtime, answered, self.word_times):
             return None
         self._waiting += 1
         return held
@@ -112,10 +115,13 @@ class FinalPass:
 class Held:
     """A streaming final held for the second pass's answer."""
 
-    __slots__ = ("answered", "audio_start_ms", "punctuation", "result")
+    __slots__ = ("answered", "audio_start_ms", "punctuation", "result", "word_times")
 
-    def __init__(self, result: pb.StreamingResult, punctuation: bool, audio_start_ms: int = 0):
+    def __init__(
+        self, result: pb.StreamingResult, punctuation: bool, audio_start_ms: int = 0, word_times: bool = False
+    ):
         self.result, self.punctuation, self.audio_start_ms = result, punctuation, audio_start_ms
+        self.word_times = word_times  # (a streaming final with no words, because it heard none, gets Whisper's)
         self.answered = False
 
     def answer(self, answer: SecondPassResult | None) -> None:
@@ -131,7 +137,7 @@ class Held:
         result.final_pass = SECOND_PASS
         result.transcript = answer.written if self.punctuation else answer.text
         result.confidence = math.exp(min(0.0, answer.avg_logprob))
-        if result.words:
+        if self.word_times:
             del result.words[:]
             result.words.extend(
                 pb.WordInfo(word=word, start_ms=start, end_ms=end, confidence=result.confidence)

@@ -233,6 +233,7 @@ class _Stream:
                 MAX_AUDIO_S * 1000 // FRAME_MS,
                 self._second_pass_answered,
                 config.punctuation,
+                config.word_time_offsets,
             ),
         )
         self.reader: asyncio.Task | None = None
