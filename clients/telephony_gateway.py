@@ -55,7 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jsonl", type=Path, help="append result lines to this file instead of stdout")
     parser.add_argument("--webhook", help="also POST each result line as JSON to this URL")
     parser.add_argument("--interim-results", action="store_true", help="also output interim (non-final) results")
-    parser.add_argument("--rtp-timeout-s", type=float, default=20.0, help="hang up after this long without RTP")
+    parser.add_argument(
+        "--rtp-timeout-s", type=float, default=20.0, help="hang up after this long without usable RTP"
+    )
+    parser.add_argument(
+        "--rtp-source",
+        choices=["learn", "sdp"],
+        default="learn",
+        help="learn: take a call's RTP from the SDP's address, or learn it from the first packets in sequence"
+        " from a source inside --allow, then lock to it (a NAT, a multi-homed phone; as Asterisk's strictrtp);"
+        " sdp: only from the SDP's address and port (default %(default)s)",
+    )
     parser.add_argument("--jitter-ms", type=int, default=60, help="reordering window of the jitter buffer")
     parser.add_argument("--ring-ms", type=int, default=0, help="ring this long before answering")
     parser.add_argument(
@@ -101,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_calls=args.max_calls,
         interim_results=args.interim_results,
         rtp_timeout_s=args.rtp_timeout_s,
+        rtp_source=args.rtp_source,
         jitter_ms=args.jitter_ms,
         ring_ms=args.ring_ms,
         audiosocket_port=args.audiosocket_port,

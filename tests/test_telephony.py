@@ -32,6 +32,7 @@ import pytest
 
 from clients.telephony import sip
 from clients.telephony.rtp import JitterBuffer, PortPool, RtpPacket, parse_rtp
+from clients.telephony.rtp_source import RtpSource, SourceLatch, Verdict
 from clients.telephony.sdp import answer_sdp, negotiate
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
@@ -225,6 +226,85 @@ def test_port_pool_hands_out_even_ports_round_robin():
     assert (pool.acquire(), pool.acquire()) == (10004, None)
 
 
+SDP = ("198.51.100.7", 22730)  # what the caller's SDP says (its public address, seen through STUN)
+NATTED = ("127.0.0.1", 2730)  # where its packets come from
+OTHER_SOURCE = ("127.0.0.1", 4444)
+
+
+def latch(mode: str = "learn") -> SourceLatch:
+    return SourceLatch(RtpSource(mode), lambda host: host.startswith("127."))
+
+
+def admit_all(latch_: SourceLatch, source, seqs, now: float = 0.0) -> list[tuple[Verdict, list[int]]]:
+    out = []
+    for seq in seqs:
+        verdict, playable = latch_.admit(source, packet(seq, 1), now)
+        out.append((verdict, [p.sequence for p in playable]))
+    return out
+
+
+def test_rtp_source_is_learned_after_probation_with_no_audio_lost():
+    nat = latch()
+    nat.expect(SDP)
+    held = admit_all(nat, NATTED, [10, 11, 12])
+    assert held == [(Verdict.HELD, [])] * 3 and nat.locked is None and nat.pending == 3
+    assert admit_all(nat, NATTED, [13, 14]) == [(Verdict.MEDIA, [10, 11, 12, 13]), (Verdict.MEDIA, [14])]
+    assert nat.locked == NATTED and nat.learned == 1 and nat.dropped == 0
+    # Locked now: the SDP's own address is just another source on probation; one outside --allow
+    # is foreign, dropped unparsed.
+    assert admit_all(nat, SDP, [500]) == [(Verdict.HELD, [])]
+    assert nat.worth_parsing(("203.0.113.9", 5000)) is False
+    assert nat.admit(("203.0.113.9", 5000), None, 0.0) == (Verdict.FOREIGN, [])
+    assert nat.dropped == 1 and nat.let_go() == 1 and nat.dropped == 2
+
+    direct = latch()
+    direct.expect(SDP)  # packets from the SDP's address are media at once, even outside --allow
+    assert admit_all(direct, SDP, [7]) == [(Verdict.MEDIA, [7])] and direct.learned == 0
+
+
+def test_rtp_source_probation_restarts_on_a_broken_sequence_and_a_new_source():
+    nat = latch()
+    nat.expect(SDP)
+    admit_all(nat, NATTED, [10, 11])
+    admit_all(nat, NATTED, [40])  # out of sequence: probation starts over from it
+    admit_all(nat, OTHER_SOURCE, [1])  # another source: starts over again
+    assert nat.dropped == 3 and nat.pending == 1 and nat.locked is None
+    assert admit_all(nat, OTHER_SOURCE, [2, 3, 4])[-1] == (Verdict.MEDIA, [1, 2, 3, 4])
+    assert nat.let_go() == 0
+
+
+def test_a_locked_rtp_source_is_taken_over_only_once_it_is_quiet():
+    nat = latch()
+    nat.expect(SDP)
+    admit_all(nat, NATTED, range(0, 4), now=10.0)
+    # An injector in sequence, interleaved with the call's source: each of the call's packets sends it
+    # back to the start of its probation, so it never plays.
+    for i in range(8):
+        assert admit_all(nat, NATTED, [4 + i], now=10.0 + i * 0.02) == [(Verdict.MEDIA, [4 + i])]
+        assert admit_all(nat, OTHER_SOURCE, [100 + i], now=10.0 + i * 0.02) == [(Verdict.HELD, [])]
+    assert nat.locked == NATTED and nat.dropped + nat.pending == 8
+    # In sequence between two of the call's packets (a sender with long gaps): locked out, dropped.
+    verdicts = admit_all(nat, OTHER_SOURCE, range(108, 112), now=10.5)
+    assert verdicts[-1] == (Verdict.LOCKED_OUT, []) and nat.dropped == 12 and nat.pending == 0
+    # The call's source goes quiet (a NAT rebinding): the newcomer takes over with its next packet.
+    assert admit_all(nat, OTHER_SOURCE, [112], now=11.2) == [(Verdict.MEDIA, [112])]
+    assert nat.locked == OTHER_SOURCE and nat.learned == 2
+    assert admit_all(nat, NATTED, [12], now=11.3) == [(Verdict.HELD, [])]  # the old one is a stranger now
+
+    nat.expect(("127.0.0.1", 6000))  # a re-INVITE moves the media: learning starts over
+    assert nat.locked is None and nat.dropped == 13
+    assert admit_all(nat, ("127.0.0.1", 6000), [1]) == [(Verdict.MEDIA, [1])]
+
+
+def test_rtp_source_sdp_takes_only_the_sdps_address():
+    strict = latch("sdp")
+    strict.expect(SDP)
+    assert strict.worth_parsing(NATTED) is False
+    assert [strict.admit(NATTED, None, 0.0)[0] for _ in range(10)] == [Verdict.FOREIGN] * 10
+    assert strict.locked is None and strict.dropped == 10
+    assert admit_all(strict, SDP, [3]) == [(Verdict.MEDIA, [3])]
+
+
 # -- end to end: helpers ---------------------------------------------------------------------------
 
 
@@ -300,12 +380,23 @@ class Gateway:
     def address(self) -> tuple[str, int]:
         return ("127.0.0.1", self.sip_port)
 
-    def lines(self, call_id: str | None = None, **match) -> list[dict]:
+    def all_lines(self, call_id: str | None = None) -> list[dict]:
+        """Every line of the JSONL output (results and end-of-call lines), of one call or all."""
         if not self.jsonl.exists():
             return []
         lines = [json.loads(line) for line in self.jsonl.read_text().splitlines()]
-        match = {**match, **({"call_id": call_id} if call_id else {})}
+        return [line for line in lines if call_id is None or line["call_id"] == call_id]
+
+    def lines(self, call_id: str | None = None, **match) -> list[dict]:
+        """The result lines."""
+        lines = [line for line in self.all_lines(call_id) if "event" not in line]
         return [line for line in lines if all(line[k] == v for k, v in match.items())]
+
+    def end_line(self, call_id: str) -> dict:
+        """The call's end-of-call line (it is written before the call's "ended" log line)."""
+        ends = [line for line in self.all_lines(call_id) if line.get("event") == "call_ended"]
+        assert len(ends) == 1, self.all_lines(call_id)
+        return ends[0]
 
     def wait_log(self, text: str, timeout_s: float = 15.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -557,9 +648,17 @@ def test_no_rtp_ends_the_call_cleanly(gateway, phone):
     assert p.receive().status == 200
     bye = p.expect_bye(timeout_s=10)  # the gateway's RTP timeout is 3 s
     assert bye.call_id == p.call_id and bye.from_tag == p.to_tag and bye.to_tag == p.tag
-    log = gateway.wait_log(f"call {p.call_id} ended (no RTP at all for 3 s)")
+    log = gateway.wait_log(f"call {p.call_id} ended (no RTP at all for 3 s) with no audio: no RTP arrived")
     assert log.count(f"call {p.call_id} from") == 1
     assert gateway.lines(p.call_id) == []
+    end = gateway.end_line(p.call_id)
+    assert end["reason"] == "no RTP at all for 3 s; no RTP arrived"
+    assert (end["ok"], end["audio_ms"], end["finals"], end["from"]) == (
+        False,
+        0,
+        0,
+        f"sip:phone{p.port}@127.0.0.1",
+    )
 
 
 @needs_espeak
@@ -712,6 +811,97 @@ def test_baresip_calls_pcmu_and_pcma(gateway, tmp_path, call_audio):
                 run.communicate()
 
 
+class StunServer(threading.Thread):
+    """A STUN server (RFC 5389 Binding) that tells every client it is behind a NAT: the mapped address
+    it answers is ``public`` with the client's port + 20000, so the client's SDP names an address and
+    port its packets never come from (as a phone behind a NAT's does)."""
+
+    COOKIE = 0x2112A442
+
+    def __init__(self, public: str = "198.51.100.7"):
+        super().__init__(daemon=True)
+        self.public = socket.inet_aton(public)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.requests = 0
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                data, client = self.sock.recvfrom(2048)
+            except TimeoutError:
+                continue
+            if len(data) < 20 or struct.unpack_from("!HHI", data)[::2] != (0x0001, self.COOKIE):
+                continue
+            self.requests += 1
+            port = (client[1] + 20000) % 65536
+            (address,) = struct.unpack("!I", self.public)
+            xor_mapped = struct.pack("!HHBBHI", 0x0020, 8, 0, 1, port ^ (self.COOKIE >> 16), address ^ self.COOKIE)
+            header = struct.pack("!HHI", 0x0101, len(xor_mapped), self.COOKIE) + data[8:20]
+            self.sock.sendto(header + xor_mapped, client)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(5)
+        self.sock.close()
+
+
+@needs_espeak
+@pytest.mark.skipif(shutil.which("baresip") is None, reason="needs baresip (apt-get install baresip-core)")
+@pytest.mark.parametrize("rtp_source", ["learn", "sdp"])
+def test_baresip_behind_a_nat(rtp_source, server, gateway, tmp_path, call_audio):
+    """A stock baresip that learns its public address from STUN: its SDP says 198.51.100.7 and a port
+    its packets do not come from. --rtp-source learn (the default) takes the call's RTP from where it
+    comes and transcribes it; sdp drops it all, and the call's end says so in the log and its line."""
+    audio, span_ms = call_audio
+    wav = tmp_path / "in.wav"
+    write_wav(wav, audio)
+    stun = StunServer()
+    stun.start()
+    gw = gateway if rtp_source == "learn" else Gateway(tmp_path, server.address, "--rtp-source", "sdp")
+    home = tmp_path / "baresip"
+    home.mkdir()
+    config = BARESIP_CONFIG.format(sip_port=free_port(), wav=wav) + "module stun.so\n"
+    (home / "config").write_text(config)
+    (home / "accounts").write_text(
+        f"<sip:natted@127.0.0.1>;regint=0;audio_codecs=PCMU;medianat=stun;stunserver=stun:127.0.0.1:{stun.port}\n"
+    )
+    command = ["baresip", "-f", str(home), "-e", f"/dial sip:asr@127.0.0.1:{gw.sip_port}", "-t", "30"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        started = f" from sip:natted@127.0.0.1 to sip:asr@127.0.0.1:{gw.sip_port}: PCMU on"
+        call_id = gw.wait_log(started).split(started)[0].rsplit("call ", 1)[1]
+        log = gw.wait_log(f"call {call_id} ended (the caller hung up)", timeout_s=20)
+        end = gw.end_line(call_id)
+        if rtp_source == "learn":
+            check_finals(gw.lines(call_id), span_ms, call_id)
+            first = re.search(rf"call {call_id}: first RTP packet from (\S+) \(learned: the SDP says (\S+)\)", log)
+            assert first, log[-3000:]
+            assert first[1].startswith("127.0.0.1:") and first[2].startswith("198.51.100.7:")
+            assert end["ok"] and end["finals"] >= 1
+        else:
+            assert gw.lines(call_id) == []
+            assert f"call {call_id}: dropped RTP datagram #1 from 127.0.0.1:" in log
+            assert "--rtp-source sdp takes media only from the SDP's 198.51.100.7:" in log
+            assert re.search(
+                rf"WARNING .*call {call_id} ended \(the caller hung up\) with no audio: all \d+ RTP", log
+            )
+            assert not end["ok"] and end["audio_ms"] == 0 and "RTP datagrams were dropped" in end["reason"]
+        run.terminate()
+        output = run.communicate(timeout=10)[0]
+        assert "Call established" in output and stun.requests >= 1, output[-2000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        stun.stop()
+        if gw is not gateway:
+            gw.stop()
+
+
 def gst_missing() -> str:
     if shutil.which("gst-launch-1.0") is None:
         return "needs gst-launch-1.0 (apt-get install gstreamer1.0-tools)"
@@ -808,8 +998,12 @@ def test_audiosocket_call_and_webhook(gateway, webhook, call_audio):
         conn.sendall(b"\x00\x00\x00")
         assert conn.recv(1) == b""  # the gateway closes after the last final
     gateway.wait_log(f"AudioSocket call {call_id} ended (Asterisk hung up)")
-    lines = gateway.lines(str(call_id))
-    check_finals(lines, span_ms, str(call_id))
+    check_finals(gateway.lines(str(call_id)), span_ms, str(call_id))
+    end = gateway.end_line(str(call_id))
+    assert (
+        end["ok"] and end["reason"] == "Asterisk hung up" and end["audio_ms"] >= len(audio) * 1000 // RATE_HZ - 20
+    )
+    lines = gateway.all_lines(str(call_id))
     deadline = time.monotonic() + 5
     while [line for line in webhook.received if line["call_id"] == str(call_id)] != lines:
         assert time.monotonic() < deadline, "the webhook did not get the same lines"

@@ -303,10 +303,10 @@ def packets_received(log: str, call_id: str) -> int:
 
 
 def dropped_foreign(log: str, call_id: str) -> tuple[int, str]:
-    """How many RTP datagrams the call dropped, and from elsewhere than which address."""
+    """How many RTP datagrams the call dropped, and where its media came from."""
     line = log.split(f"call {call_id} ended", 1)[1].split("\n", 1)[0]
-    count, address = re.search(r"(\d+) from elsewhere than (\S+) dropped", line).groups()
-    return int(count), address
+    address = re.search(r"media from ([^\s,]+)", line).group(1)
+    return int(re.search(r"(\d+) from elsewhere dropped", line).group(1)), address
 
 
 def send_interleaved(streams: list[tuple[socket.socket, list[bytes]]], destination, pace_s: float = 0.01):

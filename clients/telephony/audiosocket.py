@@ -166,10 +166,14 @@ class AudioSocketServer:
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
-            logger.info(
+            reason = reason or "cancelled"
+            failed = reason.startswith("the cosystream session failed")
+            self._sink.ended(info, reason, asr.sent_ms, asr.finals, ok=asr.sent_ms > 0 and not failed)
+            logger.log(
+                logging.INFO if asr.sent_ms else logging.WARNING,
                 "AudioSocket call %s ended (%s): %.1f s of audio, %d finals",
                 info.call_id,
-                reason or "cancelled",
+                reason,
                 asr.sent_ms / 1000,
                 asr.finals,
             )

@@ -15,7 +15,8 @@ from .asr import ENCODING_OF_CODEC, SAMPLE_RATE_HZ, AsrStream, streaming_config
 from .config import GatewayConfig
 from .output import CallInfo, ResultSink
 from .rtp import SILENCE_BYTE, JitterBuffer, PortPool, RtpError, parse_rtp
-from .security import SecurityStats, should_log
+from .rtp_source import RtpSource, SourceLatch
+from .security import AllowList, SecurityStats, should_log
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +76,11 @@ class RtpCall:
     server sent the last final (or ``flush_timeout_s`` passed). A failed session raises from
     :meth:`run` as ``grpc.aio.AioRpcError``.
 
-    Only datagrams from ``remote``, the address and port of the caller's SDP (``c=`` and ``m=``), are
-    media: anything else on the port is dropped before it is parsed, and counted (``dropped_foreign``,
-    and the gateway's total), so nobody can inject audio into a live call. There is no latching onto
-    the first source seen (symmetric RTP): behind a NAT the caller's SDP must carry its public
-    address, or an SBC must sit in between.
+    Which datagrams are media is the :class:`~.rtp_source.SourceLatch`'s call (``--rtp-source``):
+    by default the source is learned (the SDP's address at once, another inside ``--allow`` after a
+    probation of packets in sequence) and the call locks to it; with ``sdp`` only the SDP's address
+    and port are media. Everything else is dropped, and counted (``dropped_foreign``, and the
+    gateway's total), so nobody can inject audio into a live call.
     """
 
     def __init__(
@@ -105,9 +106,9 @@ class RtpCall:
         )
         self._malformed = malformed
         self._security = security
-        self.remote = ("", 0)
+        self.latch = SourceLatch(RtpSource(config.rtp_source), AllowList(config.allow).__contains__)
         self.expect_from(remote)
-        self.dropped_foreign = 0
+        self._drops_logged = 0
         self.port: int | None = None
         self._pool: PortPool | None = None
         self._transport: asyncio.DatagramTransport | None = None
@@ -137,6 +138,7 @@ class RtpCall:
 
     def close(self) -> None:
         """Release the socket and the port (idempotent)."""
+        self._security.rtp_dropped += self.latch.let_go()  # held on probation by a source never learned
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -148,49 +150,88 @@ class RtpCall:
     def hung_up(self) -> bool:
         return self._hangup_s is not None
 
+    @property
+    def remote(self) -> tuple[str, int]:
+        """Where the call's media comes from: the learned source, else the SDP's address."""
+        return self.latch.locked or self.latch.sdp
+
     def expect_from(self, remote: tuple[str, int]) -> None:
-        """Take media from ``remote`` (the offer's, or a re-INVITE's when the media moves)."""
-        host, port = remote
+        """Take media from ``remote`` (the offer's, or a re-INVITE's when the media moves: learning
+        starts over)."""
         try:
-            host = str(ipaddress.ip_address(host))  # the spelling the socket reports sources in
+            ipaddress.ip_address(remote[0])
         except ValueError:
             logger.warning(
-                "call %s: the SDP's c= address %r is not an IP address: every RTP packet will be dropped",
+                "call %s: the SDP's c= address %r is not an IP address%s",
                 self.info.call_id,
-                host,
+                remote[0],
+                ": every RTP packet will be dropped" if self.config.rtp_source == RtpSource.SDP else "",
             )
-        if self.remote != ("", 0) and (host, port) != self.remote:
-            logger.info("call %s: media moves from %s:%d to %s:%d", self.info.call_id, *self.remote, host, port)
-        self.remote = (host, port)
+        previous = self.latch.sdp
+        self.latch.expect(remote)
+        if previous != ("", 0) and self.latch.sdp != previous:
+            logger.info("call %s: media moves from %s:%d to %s:%d", self.info.call_id, *previous, *self.latch.sdp)
+
+    @property
+    def dropped_foreign(self) -> int:
+        """RTP datagrams not played because of where they came from (held ones once let go)."""
+        return self.latch.dropped + self.latch.pending
 
     def on_datagram(self, data: bytes, source: tuple[str, int]) -> None:
         if self.hung_up:
             return
-        if (source[0], source[1]) != self.remote:
-            self.dropped_foreign += 1
-            self._security.rtp_dropped += 1
-            if should_log(self.dropped_foreign):
-                logger.warning(
-                    "call %s: dropped RTP datagram #%d from %s:%d: the call's SDP says %s:%d (spoofed, or a NAT?)",
-                    self.info.call_id,
-                    self.dropped_foreign,
-                    *source[:2],
-                    *self.remote,
-                )
-            return
-        try:
-            packet = parse_rtp(data)
-        except RtpError as err:
-            self._malformed(source, err)
-            return
-        if packet is None:  # RTCP
-            return
+        source = (source[0], source[1])
+        packet = None
+        if self.latch.worth_parsing(source):
+            try:
+                packet = parse_rtp(data)
+            except RtpError as err:
+                self._malformed(source, err)
+                return
+        dropped = self.latch.dropped
         now = time.monotonic()
+        _, playable = self.latch.admit(source, packet, now)
+        if self.latch.dropped != dropped:
+            self._security.rtp_dropped += self.latch.dropped - dropped
+            self._log_drop()
+        if not playable:
+            return
         if self._last_packet_s is None:
-            logger.info("call %s: first RTP packet from %s:%d", self.info.call_id, *source[:2])
+            sdp = self.latch.sdp
+            learned = "" if source == sdp else f" (learned: the SDP says {sdp[0]}:{sdp[1]})"
+            logger.info("call %s: first RTP packet from %s:%d%s", self.info.call_id, *source, learned)
+        elif len(playable) > 1:
+            logger.info("call %s: media now from %s:%d (learned)", self.info.call_id, *source)
         self._last_packet_s = self._accounted_s = now
-        for audio in self.jitter.push(packet):
-            self.asr.feed(audio)
+        for each in playable:
+            for audio in self.jitter.push(each):
+                self.asr.feed(audio)
+
+    def _log_drop(self) -> None:
+        self._drops_logged += 1
+        if not should_log(self._drops_logged) or self.latch.dropped_from is None:
+            return
+        source = self.latch.dropped_from
+        logger.warning(
+            "call %s: dropped RTP datagram #%d from %s:%d: %s",
+            self.info.call_id,
+            self.latch.dropped,
+            *source,
+            self._drop_why(source),
+        )
+
+    def _drop_why(self, source: tuple[str, int]) -> str:
+        sdp = self.latch.sdp
+        if self.latch.mode is RtpSource.SDP:
+            return (
+                f"--rtp-source sdp takes media only from the SDP's {sdp[0]}:{sdp[1]}"
+                " (behind a NAT? --rtp-source learn takes it from where it comes)"
+            )
+        if not self.latch.worth_parsing(source):
+            return "the source is outside --allow"
+        if self.latch.locked is not None:
+            return f"the call's media comes from {self.latch.locked[0]}:{self.latch.locked[1]}"
+        return "its packets broke sequence before it was learned"
 
     def hangup(self, reason: str) -> None:
         """End the media now; the session flushes and :meth:`run` returns after the last final."""
@@ -235,7 +276,12 @@ class RtpCall:
             return
         idle_s = now - (self._last_packet_s or self._started_s)
         if idle_s >= self.config.rtp_timeout_s:
-            what = "no RTP at all" if self._last_packet_s is None else "RTP stopped"
+            if self._last_packet_s is not None:
+                what = "RTP stopped"
+            elif self.dropped_foreign:
+                what = "no usable RTP"
+            else:
+                what = "no RTP at all"
             self.hangup(f"{what} for {self.config.rtp_timeout_s:g} s")
             return
         if self._last_packet_s is None or idle_s * 1000 < self.config.idle_fill_ms:
@@ -249,11 +295,31 @@ class RtpCall:
             self.asr.feed(self.jitter.fill_silence(samples))
             self._accounted_s += samples / SAMPLE_RATE_HZ
 
+    @property
+    def heard(self) -> bool:
+        """Whether any usable RTP arrived."""
+        return self._last_packet_s is not None
+
+    def unheard_why(self) -> str:
+        """Why a call had no usable audio, for its end line and log ("" when it had some)."""
+        if self.heard:
+            return ""
+        if not self.dropped_foreign:
+            return "no RTP arrived"
+        source = self.latch.dropped_from or ("", 0)
+        return (
+            f"all {self.dropped_foreign} RTP datagrams were dropped, the last from {source[0]}:{source[1]}"
+            f" ({self._drop_why(source)})"
+        )
+
     def summary(self) -> str:
         stats = self.jitter.stats
+        sdp = self.latch.sdp
+        media = f"media from {self.remote[0]}:{self.remote[1]}"
+        if self.remote != sdp:
+            media += f" (learned; the SDP said {sdp[0]}:{sdp[1]})"
         return (
             f"{self.asr.sent_ms / 1000:.1f} s of audio, {self.asr.finals} finals, {stats.received} packets"
             f" ({stats.lost} lost, {stats.late} late, {stats.duplicate} duplicate, {stats.reordered} reordered,"
-            f" {stats.ssrc_changes} SSRC changes), {self.dropped_foreign} from elsewhere than"
-            f" {self.remote[0]}:{self.remote[1]} dropped"
+            f" {stats.ssrc_changes} SSRC changes), {media}, {self.dropped_foreign} from elsewhere dropped"
         )

@@ -31,8 +31,11 @@ class GatewayConfig:
     rtp_port_max: int = 20000
     max_calls: int = 32
     interim_results: bool = False
-    # No RTP for this long ends the call: the gateway sends BYE and flushes the last final.
+    # No usable RTP for this long ends the call: the gateway sends BYE and flushes the last final.
     rtp_timeout_s: float = 20.0
+    # Where a call's RTP is taken from: "learn" (the SDP's address, or a source inside allow that passes
+    # probation, then locked) or "sdp" (only the SDP's address and port). See rtp_source.py.
+    rtp_source: str = "learn"
     # Reordering window of the jitter buffer: a missing packet is declared lost when this much audio
     # arrived after it.
     jitter_ms: int = 60
@@ -63,6 +66,8 @@ class GatewayConfig:
             )
         if self.rtp_port_min % 2 and self.rtp_port_min == self.rtp_port_max:
             raise ValueError("the RTP port range holds no even port")
+        if self.rtp_source not in ("learn", "sdp"):
+            raise ValueError(f"rtp_source {self.rtp_source!r} is not learn or sdp")
         if self.max_calls < 1:
             raise ValueError("max_calls must be at least 1")
         if self.rtp_timeout_s <= 0 or self.flush_timeout_s <= 0 or self.connect_timeout_s <= 0:

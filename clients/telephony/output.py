@@ -1,8 +1,11 @@
 """Where results go: one JSON line per result to a stream (stdout or ``--jsonl FILE``) and, optionally,
 the same object POSTed to a webhook.
 
-A line: ``{"call_id", "from", "to", "utterance_index", "start_ms", "end_ms", "text", "is_final"}``;
-times are from the start of the call's audio (its first RTP packet or AudioSocket frame).
+A result line: ``{"call_id", "from", "to", "utterance_index", "start_ms", "end_ms", "text",
+"is_final"}``; times are from the start of the call's audio (its first RTP packet or AudioSocket
+frame). When a call ends, one more line says so and why: ``{"call_id", "from", "to", "event":
+"call_ended", "reason", "audio_ms", "finals", "ok"}``, ``ok`` false for a call that ended with no
+usable audio (no RTP at all, RTP only from sources that were dropped) or whose session failed.
 """
 
 from __future__ import annotations
@@ -92,6 +95,19 @@ class WebhookPoster:
             response.read()
 
 
+def end_line(info: CallInfo, reason: str, audio_ms: int, finals: int, ok: bool) -> dict:
+    return {
+        "call_id": info.call_id,
+        "from": info.from_uri,
+        "to": info.to_uri,
+        "event": "call_ended",
+        "reason": reason,
+        "audio_ms": audio_ms,
+        "finals": finals,
+        "ok": ok,
+    }
+
+
 class ResultSink:
     """Writes each result line to ``stream`` (flushed per line) and hands it to the webhook, if any."""
 
@@ -100,7 +116,13 @@ class ResultSink:
         self.webhook = webhook
 
     def write(self, info: CallInfo, result: pb.StreamingResult) -> None:
-        line = result_line(info, result)
+        self._put(result_line(info, result))
+
+    def ended(self, info: CallInfo, reason: str, audio_ms: int, finals: int, ok: bool) -> None:
+        """The call's last line: it ended, why, and whether it had usable audio."""
+        self._put(end_line(info, reason, audio_ms, finals, ok))
+
+    def _put(self, line: dict) -> None:
         self.stream.write(json.dumps(line) + "\n")
         self.stream.flush()
         if self.webhook is not None:

@@ -1,8 +1,8 @@
 """Who may use the gateway: the ``--allow`` networks (SIP and AudioSocket), SIP digest authentication
 (RFC 3261 section 22 with RFC 2617 digest: MD5, ``qop=auth``), and the counts of what was refused.
 
-The third check, RTP only from the address and port of the caller's SDP, lives with the media in
-:class:`~.call.RtpCall`; its drops are counted here too.
+The third check, RTP only from the call's own source (the SDP's, or one learned inside ``--allow``:
+:mod:`.rtp_source`), lives with the media in :class:`~.call.RtpCall`; its drops are counted here too.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class SecurityStats:
     audiosocket_refused: int = 0  # AudioSocket connections from outside --allow (reset)
     auth_challenges: int = 0  # INVITEs without credentials, answered 401
     auth_failures: int = 0  # INVITEs with wrong credentials, answered 401 again
-    rtp_dropped: int = 0  # RTP datagrams from elsewhere than the SDP's address and port
+    rtp_dropped: int = 0  # RTP datagrams from elsewhere than the call's source (the SDP's, or the learned one)
 
     def summary(self) -> str:
         return (

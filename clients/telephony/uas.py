@@ -446,7 +446,17 @@ class SipUas:
             if self._dialogs.get(call_id) is dialog:
                 del self._dialogs[call_id]
             self._slots.release()
-            logger.info("call %s ended (%s): %s", call_id, dialog.media.end_reason, dialog.media.summary())
+            media = dialog.media
+            failed = media.end_reason.startswith(("the cosystream session failed", "internal error"))
+            unheard = media.unheard_why()
+            reason = f"{media.end_reason}; {unheard}" if unheard else media.end_reason
+            self._sink.ended(dialog.info, reason, media.asr.sent_ms, media.asr.finals, ok=not (unheard or failed))
+            if unheard:
+                logger.warning(
+                    "call %s ended (%s) with no audio: %s: %s", call_id, media.end_reason, unheard, media.summary()
+                )
+            else:
+                logger.info("call %s ended (%s): %s", call_id, media.end_reason, media.summary())
 
     def _send_bye(self, dialog: Dialog) -> None:
         dialog.local_cseq += 1
