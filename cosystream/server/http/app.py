@@ -11,6 +11,8 @@ Routes::
     GET  /v1/realtime?intent=transcription      the Realtime API's transcription events (realtime.py)
     POST /v1/realtime/transcription_sessions    a short-lived client secret for a browser (secrets.py)
     POST /v1/realtime/client_secrets            the same, in the newer API's shape
+    GET  /v1/media-streams/twilio               Twilio Media Streams' WebSocket (media_streams.py)
+    GET  /v1/media-streams/audio-fork           FreeSWITCH mod_audio_fork's / jambonz listen's WebSocket
 
 With tokens on, everything under /v1/ needs ``Authorization: Bearer TOKEN`` (401 in OpenAI's error shape
 otherwise); the WebSocket also takes a client secret, in its subprotocols
@@ -26,6 +28,7 @@ kept-alive ones) is closed. TLS is the gRPC port's: the same files, reloaded whe
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ipaddress
 import logging
@@ -39,6 +42,7 @@ from aiohttp import web
 from cosystream.server.auth import UNAUTHENTICATED_HELP, AuthError, Token, TokenStore
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.errors import ApiError
+from cosystream.server.http.media_streams import MAX_MESSAGE_BYTES, AudioForkStream, MediaSocket, TwilioStream
 from cosystream.server.http.realtime import RealtimeConnection
 from cosystream.server.http.secrets import (
     DEFAULT_TTL_S,
@@ -97,6 +101,7 @@ class HttpServer:
         self.serving = serving
         self.port = config.port
         self.connections: set[RealtimeConnection] = set()
+        self.media_sockets: set[MediaSocket] = set()
         self.transcriber = Transcriber(servicer, config.max_upload_bytes, config.max_upload_audio_s)
         self._runner: web.AppRunner | None = None
 
@@ -109,6 +114,8 @@ class HttpServer:
         app.router.add_get("/v1/realtime", self._realtime)
         app.router.add_post("/v1/realtime/transcription_sessions", self._transcription_session)
         app.router.add_post("/v1/realtime/client_secrets", self._client_secret)
+        app.router.add_get("/v1/media-streams/twilio", self._twilio)
+        app.router.add_get("/v1/media-streams/audio-fork", self._audio_fork)
         if STATIC.is_dir():
             app.router.add_static("/static/", STATIC)
         app.on_response_prepare.append(_page_headers)
@@ -140,6 +147,8 @@ class HttpServer:
         """Close the WebSockets still open (1001 going away), then the port."""
         for connection in list(self.connections):
             connection.close(1001, "the server is shutting down")
+        for socket_ in list(self.media_sockets):
+            await socket_.ws.close(code=1001, message=b"the server is shutting down")
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -373,6 +382,55 @@ class HttpServer:
             with contextlib.suppress(Exception):
                 await ws.close()
         return ws
+
+    # The telephony platforms' WebSockets.
+    async def _twilio(self, request: web.Request) -> web.StreamResponse:
+        return await self._media_stream(request, TwilioStream)
+
+    async def _audio_fork(self, request: web.Request) -> web.StreamResponse:
+        return await self._media_stream(request, AudioForkStream)
+
+    async def _media_stream(self, request: web.Request, kind: type[MediaSocket]) -> web.StreamResponse:
+        if self.servicer.draining:
+            raise ApiError(503, "the server is shutting down; retry on another one", "unavailable")
+        token = self._media_token(request)
+        held = None
+        try:
+            held = self._hold_websocket(token)
+            ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=30.0)
+            await ws.prepare(request)
+
+            def authenticate(presented: str) -> Token:
+                return self._authenticate([("authorization", f"Bearer {presented}")])
+
+            media = kind(self.servicer, ws, token, authenticate, self.tokens is not None, dict(request.query))
+            self.media_sockets.add(media)
+            self.servicer.metrics.websocket(opened=True)
+            try:
+                await media.serve()
+            finally:
+                self.media_sockets.discard(media)
+                self.servicer.metrics.websocket(opened=False)
+            return ws
+        finally:
+            if held is not None:
+                held.release()
+
+    def _media_token(self, request: web.Request) -> Token | None:
+        """The upgrade's token: ``Bearer TOKEN``, or ``Basic`` with the token as the password (jambonz's
+        wsAuth); None when tokens are off or the upgrade has no Authorization (the first message must carry
+        one then). Raises :class:`ApiError` 401 for a wrong one."""
+        header = request.headers.get("Authorization")
+        if self.tokens is None or header is None:
+            return None
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() == "basic":
+            try:
+                value = base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                raise ApiError(401, "an Authorization: Basic header that is not base64 user:password") from None
+            header = f"Bearer {value}"
+        return self._authenticate([("authorization", header)])
 
 
 def _served_names(config: HttpConfig) -> frozenset[str]:
