@@ -694,9 +694,12 @@ def test_crafted_call_with_reordering_loss_dtmf_and_an_ssrc_change(gateway, phon
     payload = g711(audio, "PCMA")
     half = len(payload) // 320 * 160
     packets = rtp_stream(payload[:half], pt=8) + rtp_stream(payload[half:], pt=8, ssrc=0x2222, seq0=7, ts0=123)
-    # DTMF instead of 3 packets of the leading silence, as a phone sends it; losses, duplicates, swaps.
-    for i in (5, 6, 7):
-        packets[i] = packets[i][:1] + bytes([101]) + packets[i][2:12] + b"\x05\x0a\x01\x40"
+    # DTMF "5" instead of 4 packets of the leading silence, as a phone sends it (RFC 4733: the event's
+    # timestamp on all of them, the end bit on the last, repeated); losses, duplicates, swaps.
+    event_ts = packets[5][4:8]
+    for i, flags in ((5, 0x0A), (6, 0x0A), (7, 0x8A), (8, 0x8A)):
+        packets[i] = packets[i][:1] + bytes([101]) + packets[i][2:4] + event_ts + packets[i][8:12]
+        packets[i] += bytes([5, flags]) + (160 * (i - 4)).to_bytes(2, "big")
     for i in range(20, len(packets) - 2, 9):
         packets[i], packets[i + 1] = packets[i + 1], packets[i]
     for i in range(31, len(packets), 23):
@@ -713,6 +716,9 @@ def test_crafted_call_with_reordering_loss_dtmf_and_an_ssrc_change(gateway, phon
     assert finals[0]["from"] == f"sip:phone{p.port}@127.0.0.1" and finals[0]["to"] == "sip:asr@127.0.0.1"
     stats = call_stats(gateway.log.read_text(), p.call_id)
     assert stats["SSRC changes"] == 1 and stats["lost"] >= 4 and stats["reordered"] >= 5 and stats["late"] >= 1
+    dtmf = [line for line in gateway.all_lines(p.call_id) if line.get("event") == "dtmf"]
+    assert [(d["digit"], d["from"]) for d in dtmf] == [("5", f"sip:phone{p.port}@127.0.0.1")]
+    assert 60 <= dtmf[0]["at_ms"] <= 200  # after the 5 packets of silence before it (jitter-buffered)
 
 
 @needs_espeak
@@ -992,13 +998,15 @@ def test_audiosocket_call_and_webhook(gateway, webhook, call_audio):
         conn.sendall(b"\x01\x00\x10" + call_id.bytes)
         for offset in range(0, len(pcm), 320):
             conn.sendall(b"\x10" + len(pcm[offset : offset + 320]).to_bytes(2, "big") + pcm[offset : offset + 320])
-            if offset % 3200 == 0:
-                conn.sendall(b"\x03\x00\x01" + b"5")  # a DTMF digit, ignored
+            if offset in (3200, 6400):
+                conn.sendall(b"\x03\x00\x01" + b"59"[offset // 3200 - 1 : offset // 3200])  # DTMF digits
             time.sleep(0.005)
         conn.sendall(b"\x00\x00\x00")
         assert conn.recv(1) == b""  # the gateway closes after the last final
     gateway.wait_log(f"AudioSocket call {call_id} ended (Asterisk hung up)")
     check_finals(gateway.lines(str(call_id)), span_ms, str(call_id))
+    digits = [line for line in gateway.all_lines(str(call_id)) if line.get("event") == "dtmf"]
+    assert [(d["digit"], d["at_ms"]) for d in digits] == [("5", 220), ("9", 420)]  # after 11 and 21 frames
     end = gateway.end_line(str(call_id))
     assert (
         end["ok"] and end["reason"] == "Asterisk hung up" and end["audio_ms"] >= len(audio) * 1000 // RATE_HZ - 20

@@ -3,7 +3,7 @@ dialplan) and sends frames of a 3-byte header (kind, 16-bit big-endian length) a
 
 - 0x01: the call's UUID (16 bytes), first; it becomes the result lines' ``call_id``;
 - 0x10: audio, signed 16-bit little-endian mono at 8 kHz, 20 ms (320 bytes) per frame;
-- 0x03: a DTMF digit (ignored); 0x00: hang-up; 0xff: an error from Asterisk.
+- 0x03: a DTMF digit (a "dtmf" line); 0x00: hang-up; 0xff: an error from Asterisk.
 
 Each connection is one cosystream session (LINEAR16, 8000 Hz, REALTIME); the hang-up (or the
 connection closing) half-closes it, and the connection is closed after the last final.
@@ -190,6 +190,8 @@ class AudioSocketServer:
             kind, payload = received
             if kind == KIND_AUDIO:
                 asr.feed(payload)
+            elif kind == KIND_DTMF and payload:
+                self._sink.dtmf(info, payload[:1].decode("ascii", "replace"), asr.sent_ms)
             elif kind == KIND_HANGUP:
                 return "Asterisk hung up"
             elif kind == KIND_ERROR:

@@ -14,7 +14,7 @@ from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from .asr import ENCODING_OF_CODEC, SAMPLE_RATE_HZ, AsrStream, streaming_config
 from .config import GatewayConfig
 from .output import CallInfo, ResultSink
-from .rtp import SILENCE_BYTE, JitterBuffer, PortPool, RtpError, parse_rtp
+from .rtp import SILENCE_BYTE, JitterBuffer, PortPool, RtpError, RtpPacket, parse_rtp, telephone_event
 from .rtp_source import RtpSource, SourceLatch
 from .security import AllowList, SecurityStats, should_log
 
@@ -94,8 +94,12 @@ class RtpCall:
         malformed: MalformedLog,
         remote: tuple[str, int],
         security: SecurityStats,
+        dtmf_payload_type: int | None = None,
     ):
         self.info = info
+        self._sink = sink
+        self.dtmf_payload_type = dtmf_payload_type
+        self._dtmf_seen: set[tuple[int, int]] = set()  # (SSRC, timestamp) of the events already reported
         self.codec = codec
         self.config = config
         self.jitter = JitterBuffer(payload_type, SILENCE_BYTE[codec], depth_packets=max(config.jitter_ms // 20, 0))
@@ -204,8 +208,22 @@ class RtpCall:
             logger.info("call %s: media now from %s:%d (learned)", self.info.call_id, *source)
         self._last_packet_s = self._accounted_s = now
         for each in playable:
+            if each.payload_type == self.dtmf_payload_type:
+                self._dtmf(each)
             for audio in self.jitter.push(each):
                 self.asr.feed(audio)
+
+    def _dtmf(self, packet: RtpPacket) -> None:
+        """Report an RFC 4733 event once, at its first packet (all of an event's packets, and the three
+        copies of its end, share its timestamp)."""
+        event = telephone_event(packet.payload)
+        if event is None or (packet.ssrc, packet.timestamp) in self._dtmf_seen:
+            return
+        if len(self._dtmf_seen) > 64:
+            self._dtmf_seen.clear()
+        self._dtmf_seen.add((packet.ssrc, packet.timestamp))
+        logger.info("call %s: DTMF %s", self.info.call_id, event[0])
+        self._sink.dtmf(self.info, event[0], self.asr.sent_ms)
 
     def _log_drop(self) -> None:
         self._drops_logged += 1

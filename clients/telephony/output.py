@@ -5,7 +5,9 @@ A result line: ``{"call_id", "from", "to", "utterance_index", "start_ms", "end_m
 "is_final"}``; times are from the start of the call's audio (its first RTP packet or AudioSocket
 frame). When a call ends, one more line says so and why: ``{"call_id", "from", "to", "event":
 "call_ended", "reason", "audio_ms", "finals", "ok"}``, ``ok`` false for a call that ended with no
-usable audio (no RTP at all, RTP only from sources that were dropped) or whose session failed.
+usable audio (no RTP at all, RTP only from sources that were dropped) or whose session failed. A
+DTMF digit the caller pressed (RFC 4733 telephone-events, AudioSocket DTMF frames) is a line too:
+``{"call_id", "from", "to", "event": "dtmf", "digit", "at_ms"}`` (``at_ms``: the call's audio time).
 """
 
 from __future__ import annotations
@@ -121,6 +123,18 @@ class ResultSink:
     def ended(self, info: CallInfo, reason: str, audio_ms: int, finals: int, ok: bool) -> None:
         """The call's last line: it ended, why, and whether it had usable audio."""
         self._put(end_line(info, reason, audio_ms, finals, ok))
+
+    def dtmf(self, info: CallInfo, digit: str, at_ms: int) -> None:
+        self._put(
+            {
+                "call_id": info.call_id,
+                "from": info.from_uri,
+                "to": info.to_uri,
+                "event": "dtmf",
+                "digit": digit,
+                "at_ms": at_ms,
+            }
+        )
 
     def _put(self, line: dict) -> None:
         self.stream.write(json.dumps(line) + "\n")

@@ -198,6 +198,18 @@ class JitterBuffer:
         return out
 
 
+# RFC 4733 section 3.2: the events of DTMF, in order.
+DTMF_DIGITS = "0123456789*#ABCD"
+
+
+def telephone_event(payload: bytes) -> tuple[str, bool] | None:
+    """An RFC 4733 telephone-event payload's digit and end bit; None for another event (flash, ...) or a
+    payload too short."""
+    if len(payload) < 4 or payload[0] >= len(DTMF_DIGITS):
+        return None
+    return DTMF_DIGITS[payload[0]], bool(payload[1] & 0x80)
+
+
 class PortPool:
     """Even RTP ports of ``[low, high]`` handed out round-robin (RTCP, on port + 1, is not bound)."""
 

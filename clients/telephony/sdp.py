@@ -2,7 +2,7 @@
 
 The gateway only listens, so its answer is ``recvonly`` with one codec, PCMU or PCMA, taken in the
 offerer's order of preference, plus ``telephone-event`` when offered (accepted so that callers that
-send DTMF keep working; the events are dropped).
+send DTMF keep working; the call reports their digits).
 """
 
 from __future__ import annotations

@@ -360,6 +360,7 @@ class SipUas:
             self._malformed_rtp,
             negotiated.remote,
             self.security,
+            negotiated.dtmf_payload_type,
         )
         answered = False
         try:
