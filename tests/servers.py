@@ -3,6 +3,8 @@ client stream that holds a session open."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -257,3 +259,23 @@ def _descendants(root: int) -> list[int]:
             found.append(child)
             stack.append(child)
     return found
+
+
+class WebhookServer(http.server.ThreadingHTTPServer):
+    """Collects the JSON bodies POSTed to ``url`` (a webhook's receiver); serve_forever in a thread."""
+
+    def __init__(self):
+        self.received: list[dict] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(handler):
+                body = handler.rfile.read(int(handler.headers["Content-Length"]))
+                self.received.append(json.loads(body))
+                handler.send_response(204)
+                handler.end_headers()
+
+            def log_message(handler, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/results"

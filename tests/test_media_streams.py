@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 import websockets
 
+from tests.servers import WebhookServer
 from tests.speech import encode, needs_espeak, silence, speech
 from tests.test_http import TOKEN, local_http_server, wait_no_sessions
 
@@ -132,7 +135,8 @@ def test_twilio_both_tracks_come_back_labelled_with_dtmf_and_the_end(server):
             return messages
 
     messages = asyncio.run(run())
-    assert {"event": "dtmf", "track": "inbound_track", "digit": "7"} in messages
+    dtmf = {"event": "dtmf", "track": "inbound_track", "digit": "7", "streamSid": call.stream_sid}
+    assert {**dtmf, "callSid": call.call_sid} in messages
     end = messages[-1]
     assert end["event"] == "stopped" and (end["streamSid"], end["callSid"]) == (call.stream_sid, call.call_sid)
     for track, audio in (("inbound", caller), ("outbound", agent)):
@@ -300,3 +304,40 @@ def test_tokens_from_twilio_parameters_or_basic_auth(tmp_path):
         with pytest.raises(websockets.InvalidStatus) as refused_upgrade:
             asyncio.run(fork("Basic " + base64.b64encode(b"jambonz:wrong-token-0123456789").decode()))
         assert refused_upgrade.value.response.status_code == 401
+
+
+@needs_espeak
+def test_media_webhook_gets_what_a_socket_asking_for_no_results_is_not_sent():
+    """``serve --media-webhook``: a ``<Connect><Stream>`` socket asks for ``results=none`` (Twilio must not
+    be sent what it does not know); its transcripts, DTMF and end go to the webhook."""
+    hook = WebhookServer()
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    caller = encode(call_audio(CALLER, 8000, 0.3), "MULAW")
+    call = TwilioCall(["inbound"])
+    try:
+        with local_http_server(http_fields={"media_webhook": hook.url}) as hooked:
+
+            async def run() -> list:
+                async with websockets.connect(url(hooked, "twilio", "results=none")) as ws:
+                    for message in (call.connected(), call.start()):
+                        await ws.send(message)
+                    for chunk, offset in enumerate(range(0, len(caller), 160), start=1):
+                        await ws.send(call.media("inbound", chunk, caller[offset : offset + 160]))
+                        if chunk == 10:
+                            await ws.send(call.dtmf("#"))
+                    await ws.send(call.stop())
+                    received = [message async for message in ws]
+                    return [*received, ws.close_code]
+
+            assert asyncio.run(run()) == [1000]
+            deadline = time.monotonic() + 10
+            while not [m for m in hook.received if m["event"] == "stopped"]:
+                assert time.monotonic() < deadline, hook.received
+                time.sleep(0.05)
+    finally:
+        hook.shutdown()
+    events = [m["event"] for m in hook.received]
+    assert events[-1] == "stopped" and "dtmf" in events and "transcript" in events, hook.received
+    assert all(m["callSid"] == call.call_sid for m in hook.received)
+    finals = [m for m in hook.received if m["event"] == "transcript" and m["is_final"]]
+    assert hook.received[-1]["tracks"]["inbound"]["finals"] == len(finals) >= 1

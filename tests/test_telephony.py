@@ -10,7 +10,6 @@ the words.
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import random
@@ -36,6 +35,7 @@ from clients.telephony.rtp_source import RtpSource, SourceLatch, Verdict
 from clients.telephony.sdp import answer_sdp, negotiate
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from tests.servers import WebhookServer
 from tests.speech import encode, needs_espeak, silence, speech
 
 REPO = Path(__file__).resolve().parent.parent
@@ -539,24 +539,6 @@ def send_paced(sock: socket.socket, destination: tuple[str, int], packets: list[
             except OSError:  # the test closed the socket: stop
                 return
         time.sleep(max(start + (i + 1) * pace_s - time.monotonic(), 0))
-
-
-class WebhookServer(http.server.ThreadingHTTPServer):
-    def __init__(self):
-        self.received: list[dict] = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(handler):
-                body = handler.rfile.read(int(handler.headers["Content-Length"]))
-                self.received.append(json.loads(body))
-                handler.send_response(204)
-                handler.end_headers()
-
-            def log_message(handler, *args):
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}/results"
 
 
 # -- end to end: fixtures --------------------------------------------------------------------------

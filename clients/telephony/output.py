@@ -1,5 +1,5 @@
 """Where results go: one JSON line per result to a stream (stdout or ``--jsonl FILE``) and, optionally,
-the same object POSTed to a webhook.
+the same object POSTed to a webhook (:class:`~cosystream.v1.webhook.WebhookPoster`).
 
 A result line: ``{"call_id", "from", "to", "utterance_index", "start_ms", "end_ms", "text",
 "is_final"}``; times are from the start of the call's audio (its first RTP packet or AudioSocket
@@ -12,17 +12,12 @@ DTMF digit the caller pressed (RFC 4733 telephone-events, AudioSocket DTMF frame
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
-import urllib.request
 from dataclasses import dataclass
 from typing import TextIO
 
 from cosystream.v1 import cosystream_pb2 as pb
-
-logger = logging.getLogger(__name__)
+from cosystream.v1.webhook import WebhookPoster
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,56 +40,6 @@ def result_line(info: CallInfo, result: pb.StreamingResult) -> dict:
         "text": result.transcript,
         "is_final": result.is_final,
     }
-
-
-class WebhookPoster:
-    """POSTs lines as JSON, in order, from one background task; a slow or failing webhook never holds up
-    a call: lines beyond ``max_queued`` are dropped, failures are logged."""
-
-    def __init__(self, url: str, timeout_s: float = 5.0, max_queued: int = 1000):
-        self.url = url
-        self.timeout_s = timeout_s
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(max_queued)
-        self._task: asyncio.Task | None = None
-        self.dropped = 0
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._post_all(), name="webhook")
-
-    def post(self, line: dict) -> None:
-        try:
-            self._queue.put_nowait(json.dumps(line).encode())
-        except asyncio.QueueFull:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 100 == 0:
-                logger.warning("webhook %s is behind: %d lines dropped", self.url, self.dropped)
-
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Post what is queued (for up to ``grace_s``), then stop."""
-        if self._task is None:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._queue.join(), grace_s)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-    async def _post_all(self) -> None:
-        while True:
-            body = await self._queue.get()
-            try:
-                await asyncio.to_thread(self._post, body)
-            except Exception as err:  # a webhook failure is logged; the gateway keeps going
-                logger.warning("webhook %s: %s", self.url, err)
-            finally:
-                self._queue.task_done()
-
-    def _post(self, body: bytes) -> None:
-        request = urllib.request.Request(
-            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            response.read()
 
 
 def end_line(info: CallInfo, reason: str, audio_ms: int, finals: int, ok: bool) -> dict:

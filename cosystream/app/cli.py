@@ -298,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Realtime WebSocket that sends no event for this long gets an error event, then is closed (default: 60)",
     )
     serve.add_argument(
+        "--media-webhook",
+        default=None,
+        metavar="URL",
+        help="also POST every message of the telephony WebSockets (/v1/media-streams/twilio, /audio-fork: "
+        "transcripts, DTMF, the end) as JSON to this URL",
+    )
+    serve.add_argument(
         "--metrics-host",
         default=None,
         help="address for /metrics (default: the --host value, so a loopback server keeps its metrics local)",
@@ -768,6 +775,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
                 allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts.split(",")),
                 max_upload_audio_s=args.max_upload_audio_s,
                 ws_idle_timeout_s=args.ws_idle_timeout_s,
+                media_webhook=args.media_webhook,
             ),
             port=args.http_port,
         ),

@@ -18,3 +18,4 @@ class HttpConfig:
     allowed_hosts: tuple[str, ...] = ()
     max_upload_audio_s: float = 3600.0  # a longer file is refused with 400 before it is decoded (its header says)
     ws_idle_timeout_s: float = 60.0  # a Realtime WebSocket with no event either way this long: error, close 1000
+    media_webhook: str = ""  # POST every message of the telephony WebSockets here too (media_streams.py)

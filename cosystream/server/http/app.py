@@ -56,6 +56,7 @@ from cosystream.server.http.transcriptions import Transcriber
 from cosystream.server.quota import Held, OwnerLimit, QuotaExceeded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.server.tls import ReloadingSSLContext, TlsConfig
+from cosystream.v1.webhook import WebhookPoster
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class HttpServer:
         self.port = config.port
         self.connections: set[RealtimeConnection] = set()
         self.media_sockets: set[MediaSocket] = set()
+        self.webhook = WebhookPoster(config.media_webhook) if config.media_webhook else None
         self.transcriber = Transcriber(servicer, config.max_upload_bytes, config.max_upload_audio_s)
         self._runner: web.AppRunner | None = None
 
@@ -149,6 +151,8 @@ class HttpServer:
             connection.close(1001, "the server is shutting down")
         for socket_ in list(self.media_sockets):
             await socket_.ws.close(code=1001, message=b"the server is shutting down")
+        if self.webhook is not None:
+            await self.webhook.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -403,7 +407,9 @@ class HttpServer:
             def authenticate(presented: str) -> Token:
                 return self._authenticate([("authorization", f"Bearer {presented}")])
 
-            media = kind(self.servicer, ws, token, authenticate, self.tokens is not None, dict(request.query))
+            media = kind(
+                self.servicer, ws, token, authenticate, self.tokens is not None, dict(request.query), self.webhook
+            )
             self.media_sockets.add(media)
             self.servicer.metrics.websocket(opened=True)
             try:

@@ -56,6 +56,7 @@ from cosystream.server.auth import Token
 from cosystream.server.http.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1.webhook import WebhookPoster
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class MediaSocket:
         authenticate,  # (token string) -> Token; raises on a wrong one
         tokens_on: bool,
         query: dict[str, str],
+        webhook: WebhookPoster | None = None,
     ):
         self.servicer = servicer
         self.ws = ws
@@ -139,6 +141,7 @@ class MediaSocket:
         self.send_results = query.get("results", "socket") != "none"
         self.interim = query.get("interim_results", "false").lower() in ("1", "true", "yes")
         self.query = query
+        self.webhook = webhook
         self.tracks: dict[str, _Track] = {}
         self.ids: dict[str, str] = {}
         self.started = time.monotonic()
@@ -176,6 +179,8 @@ class MediaSocket:
     def emit(self, message: dict) -> None:
         if self.send_results or message.get("event") == "error":
             self._outbox.put_nowait(message)
+        if self.webhook is not None and message.get("event") != "error":
+            self.webhook.post(message)
 
     def fail(self, ended: StreamEnded) -> None:
         if self._failed is None:
@@ -275,7 +280,8 @@ class TwilioStream(MediaSocket):
             await self._media(message.get("media") or {})
         elif event == "dtmf":
             dtmf = message.get("dtmf") or {}
-            self.emit({"event": "dtmf", "track": dtmf.get("track", ""), "digit": str(dtmf.get("digit", ""))})
+            digit = str(dtmf.get("digit", ""))
+            self.emit({"event": "dtmf", "track": dtmf.get("track", ""), "digit": digit, **self.ids})
         elif event == "stop":
             self.ended = True
         elif event == "mark":
