@@ -71,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--audiosocket-port", type=int, help="also accept Asterisk AudioSocket connections on this TCP port"
     )
+    parser.add_argument(
+        "--ari-rtp-port",
+        type=int,
+        help="also take Asterisk ARI externalMedia RTP (ulaw/alaw) on this UDP port: a call per source",
+    )
     # Who may call (docs/SECURITY.md); --max-calls above caps how many at once.
     parser.add_argument(
         "--allow",
@@ -115,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         jitter_ms=args.jitter_ms,
         ring_ms=args.ring_ms,
         audiosocket_port=args.audiosocket_port,
+        ari_rtp_port=args.ari_rtp_port,
         **access_from_args(args),
     )
 

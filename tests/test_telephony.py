@@ -561,10 +561,11 @@ def webhook():
 
 @pytest.fixture(scope="module")
 def gateway(server, webhook, tmp_path_factory):
-    audiosocket_port = free_port(socket.SOCK_STREAM)
+    audiosocket_port, ari_port = free_port(socket.SOCK_STREAM), free_port()
     options = f"--rtp-timeout-s 3 --ring-ms 400 --max-calls 16 --audiosocket-port {audiosocket_port}"
+    options += f" --ari-rtp-port {ari_port}"
     gw = Gateway(tmp_path_factory.mktemp("gateway"), server.address, *options.split(), "--webhook", webhook.url)
-    gw.audiosocket_port = audiosocket_port
+    gw.audiosocket_port, gw.ari_port = audiosocket_port, ari_port
     yield gw
     log = gw.stop()
     assert gw.process.returncode == 0, log[-3000:]
@@ -998,6 +999,46 @@ def test_audiosocket_call_and_webhook(gateway, webhook, call_audio):
     while [line for line in webhook.received if line["call_id"] == str(call_id)] != lines:
         assert time.monotonic() < deadline, "the webhook did not get the same lines"
         time.sleep(0.05)
+
+
+# -- end to end: Asterisk ARI externalMedia ---------------------------------------------------------
+
+
+@needs_espeak
+def test_ari_external_media_two_channels_at_once(gateway, call_audio):
+    """Two external media channels send their RTP to the one ARI port, each from its own address and
+    port (Asterisk's UNICASTRTP_LOCAL_ADDRESS/PORT): two calls, each its own words, keyed by the source."""
+    audio, span_ms = call_audio
+    other = np.concatenate([silence(0.4, RATE_HZ), speech(OTHER, rate_hz=RATE_HZ), silence(0.7, RATE_HZ)])
+    streams = [rtp_stream(g711(audio, "PCMU"), pt=0, ssrc=0xA), rtp_stream(g711(other, "PCMA"), pt=8, ssrc=0xB)]
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in streams]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        call_ids = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in sockets]
+        start = time.monotonic()
+        for i in range(max(len(packets) for packets in streams)):
+            for sock, packets in zip(sockets, streams, strict=True):
+                if i < len(packets):
+                    sock.sendto(packets[i], ("127.0.0.1", gateway.ari_port))
+            time.sleep(max(start + (i + 1) * 0.01 - time.monotonic(), 0))
+    finally:
+        for sock in sockets:
+            sock.close()
+    texts = []
+    for call_id in call_ids:
+        gateway.wait_log(f"call {call_id} ended (RTP stopped for 3 s)", timeout_s=20)
+        texts.append(" ".join(line["text"] for line in gateway.lines(call_id) if line["is_final"]))
+        end = gateway.end_line(call_id)
+        assert end["ok"] and end["finals"] >= 1 and end["audio_ms"] >= 2000, end
+    check_finals(gateway.lines(call_ids[0]), span_ms, call_ids[0])
+    overlap = [[len(set(t.lower().split()) & set(s.split())) for s in (SENTENCE, OTHER)] for t in texts]
+    assert overlap[0][0] > overlap[0][1] and overlap[1][1] > overlap[1][0], texts
+    log = gateway.log.read_text()
+    assert (
+        f"ARI external media call {call_ids[0]}: PCMU" in log
+        and f"ARI external media call {call_ids[1]}: PCMA" in log
+    )
 
 
 # -- end to end: a server outage -------------------------------------------------------------------

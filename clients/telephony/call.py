@@ -9,6 +9,8 @@ import ipaddress
 import logging
 import time
 
+import grpc
+
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
 from .asr import ENCODING_OF_CODEC, SAMPLE_RATE_HZ, AsrStream, streaming_config
@@ -285,6 +287,31 @@ class RtpCall:
                 with contextlib.suppress(BaseException):
                     await session
             self.close()
+
+    async def run_reported(self) -> None:
+        """:meth:`run`, with a failed session or a bug in this call made its end reason (the other calls go
+        on); then the call's end line and its "ended" log line (WARNING when it had no usable audio)."""
+        call_id = self.info.call_id
+        try:
+            await self.run()
+        except grpc.aio.AioRpcError as err:
+            self.end_reason = f"the cosystream session failed: {err.code().name}: {err.details()}"
+            logger.error("call %s: %s", call_id, self.end_reason)
+        except Exception as err:  # a bug in one call must not end the others
+            self.end_reason = f"internal error: {err!r}"
+            logger.exception("call %s failed", call_id)
+        finally:
+            self.close()
+            failed = self.end_reason.startswith(("the cosystream session failed", "internal error"))
+            unheard = self.unheard_why()
+            reason = f"{self.end_reason}; {unheard}" if unheard else self.end_reason
+            self._sink.ended(self.info, reason, self.asr.sent_ms, self.asr.finals, ok=not (unheard or failed))
+            if unheard:
+                logger.warning(
+                    "call %s ended (%s) with no audio: %s: %s", call_id, self.end_reason, unheard, self.summary()
+                )
+            else:
+                logger.info("call %s ended (%s): %s", call_id, self.end_reason, self.summary())
 
     def _tick(self, session: asyncio.Future) -> None:
         now = time.monotonic()

@@ -17,8 +17,8 @@ LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.
 class GatewayConfig:
     """Where the gateway listens, where it sends audio, and how calls are timed.
 
-    ``sip_port`` 0 binds an ephemeral port (tests); ``audiosocket_port`` None turns the Asterisk
-    AudioSocket listener off, 0 binds an ephemeral one. ``allow`` are the networks whose SIP requests
+    ``sip_port`` 0 binds an ephemeral port (tests); ``audiosocket_port`` and ``ari_rtp_port`` None turn
+    the Asterisk AudioSocket listener and the ARI external media port off, 0 binds an ephemeral one. ``allow`` are the networks whose SIP requests
     and AudioSocket connections are answered; ``sip_user`` and ``sip_password`` (both or neither)
     turn on digest authentication of INVITEs (docs/SECURITY.md).
     """
@@ -49,6 +49,8 @@ class GatewayConfig:
     # After the caller hangs up: how long to wait for the server's last final.
     flush_timeout_s: float = 10.0
     audiosocket_port: int | None = None
+    # Asterisk ARI externalMedia: plain RTP on this UDP port, a call per source (ari.py); None: off.
+    ari_rtp_port: int | None = None
     user_agent: str = "cosystream-telephony"
     allow: tuple[Network, ...] = LOOPBACK
     sip_user: str = ""
@@ -74,6 +76,8 @@ class GatewayConfig:
             raise ValueError("timeouts must be positive")
         if self.jitter_ms < 0 or self.ring_ms < 0 or self.idle_fill_ms < 20:
             raise ValueError("jitter_ms and ring_ms must be >= 0, idle_fill_ms >= 20")
+        if self.ari_rtp_port is not None and not 0 <= self.ari_rtp_port <= 65535:
+            raise ValueError(f"ari_rtp_port {self.ari_rtp_port} is not a UDP port")
         if self.audiosocket_port is not None and not 0 <= self.audiosocket_port <= 65535:
             raise ValueError(f"audiosocket_port {self.audiosocket_port} is not a TCP port")
         if not self.allow:

@@ -1,5 +1,5 @@
 """The gateway: one gRPC channel to cosystream, the SIP user-agent server, the optional AudioSocket
-listener, and the result sink they share."""
+listener and ARI external media port, and the result sink they share."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import grpc
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
+from .ari import ExternalMediaServer
 from .audiosocket import AudioSocketServer
 from .call import CallSlots
 from .config import GatewayConfig
@@ -41,6 +42,7 @@ class Gateway:
         self._channel: grpc.aio.Channel | None = None
         self.sip: SipUas | None = None
         self.audiosocket: AudioSocketServer | None = None
+        self.ari: ExternalMediaServer | None = None
         self._watch: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -56,6 +58,11 @@ class Gateway:
                 self.config, pb_grpc.CosyStreamStub(self._channel), self.sink, self.slots, self.security
             )
             await self.audiosocket.start()
+        if self.config.ari_rtp_port is not None:
+            self.ari = ExternalMediaServer(
+                self.config, pb_grpc.CosyStreamStub(self._channel), self.sink, self.slots, self.security
+            )
+            await self.ari.start()
         logger.info("gateway ready: cosystream at %s, at most %d calls", self.config.server, self.config.max_calls)
         self._watch = asyncio.get_running_loop().create_task(self._watch_server())
         return self
@@ -93,6 +100,8 @@ class Gateway:
             await self.sip.stop()
         if self.audiosocket is not None:
             await self.audiosocket.stop()
+        if self.ari is not None:
+            await self.ari.stop()
         if self.sink.webhook is not None:
             await self.sink.webhook.stop()
         if self._channel is not None:

@@ -433,31 +433,13 @@ class SipUas:
     async def _run(self, dialog: Dialog) -> None:
         call_id = dialog.info.call_id
         try:
-            await dialog.media.run()
-        except grpc.aio.AioRpcError as err:
-            dialog.media.end_reason = f"the cosystream session failed: {err.code().name}: {err.details()}"
-            logger.error("call %s: %s", call_id, dialog.media.end_reason)
-        except Exception as err:  # a bug in one call must not end the others
-            dialog.media.end_reason = f"internal error: {err!r}"
-            logger.exception("call %s failed", call_id)
+            await dialog.media.run_reported()
         finally:
-            dialog.media.close()
             if not dialog.bye_received:
                 self._send_bye(dialog)
             if self._dialogs.get(call_id) is dialog:
                 del self._dialogs[call_id]
             self._slots.release()
-            media = dialog.media
-            failed = media.end_reason.startswith(("the cosystream session failed", "internal error"))
-            unheard = media.unheard_why()
-            reason = f"{media.end_reason}; {unheard}" if unheard else media.end_reason
-            self._sink.ended(dialog.info, reason, media.asr.sent_ms, media.asr.finals, ok=not (unheard or failed))
-            if unheard:
-                logger.warning(
-                    "call %s ended (%s) with no audio: %s: %s", call_id, media.end_reason, unheard, media.summary()
-                )
-            else:
-                logger.info("call %s ended (%s): %s", call_id, media.end_reason, media.summary())
 
     def _send_bye(self, dialog: Dialog) -> None:
         dialog.local_cseq += 1
