@@ -49,7 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--bind", default="0.0.0.0", help="address for SIP, RTP and AudioSocket (default %(default)s)"
     )
-    parser.add_argument("--sip-port", type=int, default=5060, help="SIP UDP port (default %(default)s; 0: any)")
+    parser.add_argument(
+        "--sip-port", type=int, default=5060, help="SIP port, UDP and TCP (default %(default)s; 0: any)"
+    )
+    parser.add_argument("--sip-tls-cert", default="", help="PEM certificate (chain) for SIP over TLS")
+    parser.add_argument("--sip-tls-key", default="", help="its private key (PEM)")
+    parser.add_argument("--sip-tls-port", type=int, default=5061, help="SIP over TLS port (default %(default)s)")
     parser.add_argument("--rtp-ports", default="10000-20000", help="RTP port range LO-HI (default %(default)s)")
     parser.add_argument("--max-calls", type=int, default=32, help="concurrent calls (default %(default)s)")
     parser.add_argument("--jsonl", type=Path, help="append result lines to this file instead of stdout")
@@ -121,6 +126,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         ring_ms=args.ring_ms,
         audiosocket_port=args.audiosocket_port,
         ari_rtp_port=args.ari_rtp_port,
+        sip_tls_cert=args.sip_tls_cert,
+        sip_tls_key=args.sip_tls_key,
+        sip_tls_port=args.sip_tls_port,
         **access_from_args(args),
     )
 

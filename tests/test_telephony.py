@@ -769,8 +769,40 @@ module_app menu.so
 """
 
 
+needs_baresip = pytest.mark.skipif(
+    shutil.which("baresip") is None, reason="needs baresip (apt-get install baresip-core)"
+)
+
+
+def start_baresip(home: Path, wav: Path, account: str, dial: str, config: str = "") -> subprocess.Popen:
+    """baresip with its config and account in ``home``, dialling ``dial`` and playing ``wav``; it hangs up
+    at the file's end and then idles until stopped (:func:`stop_baresip`) or 30 s."""
+    home.mkdir()
+    (home / "config").write_text(BARESIP_CONFIG.format(sip_port=free_port(), wav=wav) + config)
+    (home / "accounts").write_text(account + "\n")
+    command = ["baresip", "-f", str(home), "-e", f"/dial {dial}", "-t", "30"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop_baresip(run: subprocess.Popen) -> str:
+    """Stop it (if it runs) and return what it printed."""
+    run.terminate()
+    try:
+        return run.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired:
+        run.kill()
+        return run.communicate()[0]
+
+
+def call_line(gateway: Gateway, started: str) -> tuple[str, str]:
+    """The gateway's "call ID from ... to ...: CODEC on RTP port N (SIP over T)" line holding ``started``,
+    once logged, and its call id."""
+    line = next(line for line in gateway.wait_log(started, timeout_s=20).splitlines() if started in line)
+    return line, line.split(" call ", 1)[1].split(" ", 1)[0]
+
+
 @needs_espeak
-@pytest.mark.skipif(shutil.which("baresip") is None, reason="needs baresip (apt-get install baresip-core)")
+@needs_baresip
 def test_baresip_calls_pcmu_and_pcma(gateway, tmp_path, call_audio):
     """baresip plays the file as G.711 and hangs up at its end (then idles until -t: it is stopped)."""
     audio, span_ms = call_audio
@@ -779,25 +811,41 @@ def test_baresip_calls_pcmu_and_pcma(gateway, tmp_path, call_audio):
     runs = {}
     try:
         for codec in ("PCMU", "PCMA"):
-            home = tmp_path / codec
-            home.mkdir()
-            (home / "config").write_text(BARESIP_CONFIG.format(sip_port=free_port(), wav=wav))
-            (home / "accounts").write_text(f"<sip:{codec.lower()}@127.0.0.1>;regint=0;audio_codecs={codec}\n")
-            command = ["baresip", "-f", str(home), "-e", f"/dial sip:asr@127.0.0.1:{gateway.sip_port}", "-t", "30"]
-            runs[codec] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            account = f"<sip:{codec.lower()}@127.0.0.1>;regint=0;audio_codecs={codec}"
+            runs[codec] = start_baresip(tmp_path / codec, wav, account, f"sip:asr@127.0.0.1:{gateway.sip_port}")
         for codec, run in runs.items():
-            started = f" from sip:{codec.lower()}@127.0.0.1 to sip:asr@127.0.0.1:{gateway.sip_port}: {codec} on"
-            call_id = gateway.wait_log(started).split(started)[0].rsplit("call ", 1)[1]
+            _, call_id = call_line(
+                gateway, f" from sip:{codec.lower()}@127.0.0.1 to sip:asr@127.0.0.1:{gateway.sip_port}: {codec} on"
+            )
             gateway.wait_log(f"call {call_id} ended (the caller hung up)", timeout_s=20)
             check_finals(gateway.lines(call_id), span_ms, call_id)
-            run.terminate()
-            output = run.communicate(timeout=10)[0]
+            output = stop_baresip(run)
             assert "Call established" in output and "terminated" in output, output[-2000:]
     finally:
         for run in runs.values():
-            if run.poll() is None:
-                run.kill()
-                run.communicate()
+            stop_baresip(run)
+
+
+@needs_espeak
+@needs_baresip
+def test_baresip_calls_over_tcp(gateway, tmp_path, call_audio):
+    """SIP over TCP (a PBX or trunk that requires it): the INVITE, its answer, the caller's BYE and its 200
+    go over one connection; the media is the same RTP."""
+    audio, span_ms = call_audio
+    wav = tmp_path / "in.wav"
+    write_wav(wav, audio)
+    account = "<sip:tcp@127.0.0.1;transport=tcp>;regint=0;audio_codecs=PCMU"
+    run = start_baresip(tmp_path / "baresip", wav, account, f"sip:asr@127.0.0.1:{gateway.sip_port};transport=tcp")
+    try:
+        line, call_id = call_line(
+            gateway, f" from sip:tcp@127.0.0.1 to sip:asr@127.0.0.1:{gateway.sip_port};transport=tcp"
+        )
+        assert line.endswith("(SIP over TCP)") and ": PCMU on RTP port" in line, line
+        gateway.wait_log(f"call {call_id} ended (the caller hung up)", timeout_s=20)
+        check_finals(gateway.lines(call_id), span_ms, call_id)
+    finally:
+        output = stop_baresip(run)
+    assert "Call established" in output and "terminated" in output, output[-2000:]
 
 
 class StunServer(threading.Thread):
@@ -839,7 +887,7 @@ class StunServer(threading.Thread):
 
 
 @needs_espeak
-@pytest.mark.skipif(shutil.which("baresip") is None, reason="needs baresip (apt-get install baresip-core)")
+@needs_baresip
 @pytest.mark.parametrize("rtp_source", ["learn", "sdp"])
 def test_baresip_behind_a_nat(rtp_source, server, gateway, tmp_path, call_audio):
     """A stock baresip that learns its public address from STUN: its SDP says 198.51.100.7 and a port
@@ -851,18 +899,12 @@ def test_baresip_behind_a_nat(rtp_source, server, gateway, tmp_path, call_audio)
     stun = StunServer()
     stun.start()
     gw = gateway if rtp_source == "learn" else Gateway(tmp_path, server.address, "--rtp-source", "sdp")
-    home = tmp_path / "baresip"
-    home.mkdir()
-    config = BARESIP_CONFIG.format(sip_port=free_port(), wav=wav) + "module stun.so\n"
-    (home / "config").write_text(config)
-    (home / "accounts").write_text(
-        f"<sip:natted@127.0.0.1>;regint=0;audio_codecs=PCMU;medianat=stun;stunserver=stun:127.0.0.1:{stun.port}\n"
+    account = (
+        f"<sip:natted@127.0.0.1>;regint=0;audio_codecs=PCMU;medianat=stun;stunserver=stun:127.0.0.1:{stun.port}"
     )
-    command = ["baresip", "-f", str(home), "-e", f"/dial sip:asr@127.0.0.1:{gw.sip_port}", "-t", "30"]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = start_baresip(tmp_path / "baresip", wav, account, f"sip:asr@127.0.0.1:{gw.sip_port}", "module stun.so\n")
     try:
-        started = f" from sip:natted@127.0.0.1 to sip:asr@127.0.0.1:{gw.sip_port}: PCMU on"
-        call_id = gw.wait_log(started).split(started)[0].rsplit("call ", 1)[1]
+        _, call_id = call_line(gw, f" from sip:natted@127.0.0.1 to sip:asr@127.0.0.1:{gw.sip_port}: PCMU on")
         log = gw.wait_log(f"call {call_id} ended (the caller hung up)", timeout_s=20)
         end = gw.end_line(call_id)
         if rtp_source == "learn":
@@ -879,16 +921,12 @@ def test_baresip_behind_a_nat(rtp_source, server, gateway, tmp_path, call_audio)
                 rf"WARNING .*call {call_id} ended \(the caller hung up\) with no audio: all \d+ RTP", log
             )
             assert not end["ok"] and end["audio_ms"] == 0 and "RTP datagrams were dropped" in end["reason"]
-        run.terminate()
-        output = run.communicate(timeout=10)[0]
-        assert "Call established" in output and stun.requests >= 1, output[-2000:]
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
+        output = stop_baresip(run)
         stun.stop()
         if gw is not gateway:
             gw.stop()
+    assert "Call established" in output and stun.requests >= 1, output[-2000:]
 
 
 def gst_missing() -> str:

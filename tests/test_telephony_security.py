@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -31,26 +30,26 @@ from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
 from tests.speech import needs_espeak, silence, speech
 from tests.test_telephony import (
-    BARESIP_CONFIG,
     GATEWAY,
     OTHER,
     RATE_HZ,
     SENTENCE,
     Gateway,
     Phone,
+    call_line,
     call_stats,
     check_finals,
     free_port,
     g711,
+    needs_baresip,
     rtp_stream,
     speech_span_ms,
+    start_baresip,
+    stop_baresip,
     write_wav,
 )
 
 USER, PASSWORD = "alice", "correct-horse-battery-staple"
-needs_baresip = pytest.mark.skipif(
-    shutil.which("baresip") is None, reason="needs baresip (apt-get install baresip-core)"
-)
 
 
 # -- digest authentication -------------------------------------------------------------------------
@@ -535,14 +534,8 @@ def test_digest_authentication_of_crafted_invites(tmp_path, server):
 
 
 def baresip_call(tmp_path: Path, gw: Gateway, wav: Path, name: str, password: str) -> subprocess.Popen:
-    home = tmp_path / name
-    home.mkdir()
-    (home / "config").write_text(BARESIP_CONFIG.format(sip_port=free_port(), wav=wav))
-    (home / "accounts").write_text(
-        f"<sip:{name}@127.0.0.1>;auth_user={USER};auth_pass={password};regint=0;audio_codecs=PCMU\n"
-    )
-    command = ["baresip", "-f", str(home), "-e", f"/dial sip:asr@127.0.0.1:{gw.sip_port}", "-t", "30"]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    account = f"<sip:{name}@127.0.0.1>;auth_user={USER};auth_pass={password};regint=0;audio_codecs=PCMU"
+    return start_baresip(tmp_path / name, wav, account, f"sip:asr@127.0.0.1:{gw.sip_port}")
 
 
 @needs_espeak
@@ -563,20 +556,47 @@ def test_baresip_with_the_password_is_answered_and_with_a_wrong_one_refused(tmp_
             gw.wait_log("wrong SIP credentials from 127.0.0.1:")
             time.sleep(1.0)  # room for a retry by the refused caller, which must not come through
         finally:
-            outputs = {}
-            for name, run in runs.items():
-                run.terminate()
-                try:
-                    outputs[name] = run.communicate(timeout=10)[0]
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    outputs[name] = run.communicate()[0]
+            outputs = {name: stop_baresip(run) for name, run in runs.items()}
     log = gw.log.read_text()
     assert "Call established" in outputs["good"], outputs["good"][-2000:]
     assert "Call established" not in outputs["bad"] and "401" in outputs["bad"], outputs["bad"][-2000:]
     assert " from sip:bad@127.0.0.1" not in log and log.count(" from sip:good@127.0.0.1 to ") == 1
     totals = stopped_totals(log)
     assert totals["auth_failures"] >= 1 and totals["auth_challenges"] >= 2
+
+
+# -- end to end: SIP over TLS ----------------------------------------------------------------------
+
+
+@needs_espeak
+@needs_baresip
+def test_baresip_calls_over_sip_tls(tmp_path, server, call_audio):
+    """--sip-tls-cert/--sip-tls-key: a baresip that trusts the gateway's CA calls over TLS (the signalling
+    encrypted; the RTP is the same), and a plaintext connection to the TLS port gets no call."""
+    from tests.test_security import Pki
+
+    audio, span_ms = call_audio
+    wav = tmp_path / "in.wav"
+    write_wav(wav, audio)
+    pki = Pki(tmp_path)
+    tls_port = free_port(socket.SOCK_STREAM)
+    flags = ("--sip-tls-cert", pki.path("server.pem"), "--sip-tls-key", pki.path("server.key"))
+    with gateway(tmp_path, server, *flags, "--sip-tls-port", str(tls_port)) as gw:
+        gw.wait_log(f"tls 127.0.0.1:{tls_port}")
+        with socket.create_connection(("127.0.0.1", tls_port), timeout=5) as plain:
+            plain.sendall(b"OPTIONS sip:asr@127.0.0.1 SIP/2.0\r\nContent-Length: 0\r\n\r\n")
+            assert plain.recv(100) == b""  # no handshake: closed, nothing answered
+        account = "<sip:tls@127.0.0.1;transport=tls>;regint=0;audio_codecs=PCMU"
+        dial = f"sip:asr@127.0.0.1:{tls_port};transport=tls"
+        run = start_baresip(tmp_path / "baresip", wav, account, dial, f"sip_cafile {pki.path('ca.pem')}\n")
+        try:
+            line, call_id = call_line(gw, " from sip:tls@127.0.0.1 to sip:asr@127.0.0.1:")
+            assert line.endswith("(SIP over TLS)"), line
+            gw.wait_log(f"call {call_id} ended (the caller hung up)", timeout_s=20)
+            check_finals(gw.lines(call_id), span_ms, call_id)
+        finally:
+            output = stop_baresip(run)
+        assert "Call established" in output, output[-2000:]
 
 
 # -- end to end: the gateway's own channel to cosystream, over TLS with a token ----------------------------

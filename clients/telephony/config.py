@@ -49,6 +49,10 @@ class GatewayConfig:
     # After the caller hangs up: how long to wait for the server's last final.
     flush_timeout_s: float = 10.0
     audiosocket_port: int | None = None
+    # SIP over TLS (beside UDP and TCP on sip_port): a PEM certificate chain and its key; port 0: any.
+    sip_tls_cert: str = ""
+    sip_tls_key: str = ""
+    sip_tls_port: int = 5061
     # Asterisk ARI externalMedia: plain RTP on this UDP port, a call per source (ari.py); None: off.
     ari_rtp_port: int | None = None
     user_agent: str = "cosystream-telephony"
@@ -76,6 +80,10 @@ class GatewayConfig:
             raise ValueError("timeouts must be positive")
         if self.jitter_ms < 0 or self.ring_ms < 0 or self.idle_fill_ms < 20:
             raise ValueError("jitter_ms and ring_ms must be >= 0, idle_fill_ms >= 20")
+        if bool(self.sip_tls_cert) != bool(self.sip_tls_key):
+            raise ValueError("--sip-tls-cert and --sip-tls-key go together")
+        if not 0 <= self.sip_tls_port <= 65535:
+            raise ValueError(f"sip_tls_port {self.sip_tls_port} is not a TCP port")
         if self.ari_rtp_port is not None and not 0 <= self.ari_rtp_port <= 65535:
             raise ValueError(f"ari_rtp_port {self.ari_rtp_port} is not a UDP port")
         if self.audiosocket_port is not None and not 0 <= self.audiosocket_port <= 65535:

@@ -1,9 +1,11 @@
-"""SIP messages (RFC 3261) for a user-agent server on UDP: parse datagrams, build responses and the
-few requests the gateway sends itself (BYE). No transaction state here; see :mod:`.uas`.
+"""SIP messages (RFC 3261) for a user-agent server on UDP, TCP and TLS: parse messages (a datagram, or
+one framed out of a connection by :func:`read_stream_message`), build responses and the few requests
+the gateway sends itself (BYE). No transaction state here; see :mod:`.uas`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -242,12 +244,14 @@ def request(
     branch: str,
     routes: list[str] | None = None,
     user_agent: str = "",
+    transport: str = "UDP",
 ) -> bytes:
-    """A request inside a dialog the gateway holds (its BYE). ``via`` is ``host:port`` of the gateway;
-    ``branch`` (from :func:`new_branch`) matches the responses to it."""
+    """A request inside a dialog the gateway holds (its BYE). ``via`` is ``host:port`` of the gateway,
+    ``transport`` the one it goes over (UDP, TCP, TLS); ``branch`` (from :func:`new_branch`) matches the
+    responses to it."""
     lines = [
         f"{method} {uri} SIP/2.0",
-        f"Via: SIP/2.0/UDP {via};branch={branch};rport",
+        f"Via: SIP/2.0/{transport} {via};branch={branch};rport",
         "Max-Forwards: 70",
     ]
     lines += [f"Route: {route}" for route in routes or ()]
@@ -256,3 +260,30 @@ def request(
         lines.append(f"User-Agent: {user_agent}")
     lines.append("Content-Length: 0")
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+MAX_STREAM_MESSAGE_BYTES = 64 << 10
+_CONTENT_LENGTH = re.compile(rb"^(?:content-length|l)[ \t]*:[ \t]*(\d+)[ \t]*\r?$", re.IGNORECASE | re.MULTILINE)
+
+
+async def read_stream_message(reader: asyncio.StreamReader) -> bytes | None:
+    """The next SIP message on a TCP or TLS connection (RFC 3261 18.3: framed by Content-Length), or None
+    at the connection's end. CRLF keep-alives between messages (RFC 5626) are skipped. Raises
+    :class:`SipError` for a message over 64 KiB or a connection cut inside one."""
+    try:
+        head = b""
+        while not head:
+            head = (await reader.readuntil(b"\r\n\r\n")).lstrip(b"\r\n")
+            if head == b"\r\n" or not head.strip():
+                head = b""
+        match = _CONTENT_LENGTH.search(head)
+        length = int(match.group(1)) if match else 0
+        if len(head) + length > MAX_STREAM_MESSAGE_BYTES:
+            raise SipError(f"a message of {len(head) + length} bytes (at most {MAX_STREAM_MESSAGE_BYTES})")
+        return head + await reader.readexactly(length)
+    except asyncio.IncompleteReadError as err:
+        if not err.partial.strip():
+            return None
+        raise SipError("the connection closed inside a message") from None
+    except asyncio.LimitOverrunError:
+        raise SipError(f"a header block over {MAX_STREAM_MESSAGE_BYTES} bytes") from None

@@ -1,5 +1,7 @@
-"""A minimal SIP user-agent server on UDP: answers INVITEs with a receive-only G.711 stream and runs
-each call as an :class:`~.call.RtpCall`.
+"""A minimal SIP user-agent server on UDP and TCP (and TLS, with a certificate) on the same port number
+(TLS on its own): answers INVITEs with a receive-only G.711 stream and runs each call as an
+:class:`~.call.RtpCall`. A request that came over a connection is answered on it, and the gateway's
+BYE goes back on it; over TCP and TLS nothing is retransmitted (RFC 3261 17: reliable transports).
 
 Requests: INVITE (100, 180, then 200 with an SDP answer; 488 without PCMU/PCMA; 486 at
 ``max_calls``; 503 while the cosystream server is unreachable; re-INVITEs get the same answer and
@@ -23,6 +25,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +40,7 @@ from .config import GatewayConfig
 from .output import CallInfo, ResultSink
 from .rtp import PortPool
 from .sdp import SdpError, answer_sdp, negotiate
-from .security import SecurityStats, SipGuard
+from .security import SecurityStats, SipGuard, should_log
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class Dialog:
     local_cseq: int = field(default_factory=lambda: secrets.randbelow(1 << 16) + 1)
     bye_received: bool = False
     task: asyncio.Task | None = None
+    transport: str = "UDP"  # what the INVITE came over (the gateway's BYE goes back over it)
 
 
 class _SipProtocol(asyncio.DatagramProtocol):
@@ -108,6 +112,11 @@ class SipUas:
         self._slots = slots
         self._ports = PortPool(config.rtp_port_min, config.rtp_port_max)
         self._transport: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._tls: asyncio.Server | None = None
+        self.tls_port: int | None = None
+        # Peers connected over TCP or TLS: their messages are answered on their connection.
+        self._streams: dict[tuple[str, int], tuple[asyncio.StreamWriter, str]] = {}
         self._transactions: dict[tuple[str, str], Transaction] = {}
         self._dialogs: dict[str, Dialog] = {}
         self._client: dict[str, asyncio.TimerHandle] = {}  # branch of the gateway's BYEs -> retransmit timer
@@ -125,9 +134,19 @@ class SipUas:
             lambda: _SipProtocol(self), local_addr=(self.config.bind, self.config.sip_port)
         )
         self.address = self._transport.get_extra_info("sockname")[:2]
-        logger.info(
-            "SIP on udp %s:%d, RTP ports %d-%d", *self.address, self.config.rtp_port_min, self.config.rtp_port_max
+        self._tcp = await asyncio.start_server(
+            lambda r, w: self._connection(r, w, "TCP"), self.config.bind, self.address[1]
         )
+        transports = f"udp and tcp {self.address[0]}:{self.address[1]}"
+        if self.config.sip_tls_cert:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.sip_tls_cert, self.config.sip_tls_key)
+            self._tls = await asyncio.start_server(
+                lambda r, w: self._connection(r, w, "TLS"), self.config.bind, self.config.sip_tls_port, ssl=context
+            )
+            self.tls_port = self._tls.sockets[0].getsockname()[1]
+            transports += f", tls {self.address[0]}:{self.tls_port}"
+        logger.info("SIP on %s, RTP ports %d-%d", transports, self.config.rtp_port_min, self.config.rtp_port_max)
         self._guard.log_policy()
 
     async def stop(self) -> None:
@@ -148,6 +167,43 @@ class SipUas:
                 tx.retransmit.cancel()
         if self._transport is not None:
             self._transport.close()
+        for server in (self._tcp, self._tls):
+            if server is not None:
+                server.close()
+        for writer, _ in list(self._streams.values()):
+            writer.close()
+
+    # -- connections (TCP, TLS) ----------------------------------------------------------------------
+
+    async def _connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str
+    ) -> None:
+        peer = tuple(writer.get_extra_info("peername")[:2])
+        if peer[0] not in self._guard.allow:
+            self.security.sip_refused += 1
+            if should_log(self.security.sip_refused):
+                logger.warning("SIP over %s from %s:%d refused: not in --allow", transport, *peer)
+            writer.close()
+            return
+        self._streams[peer] = (writer, transport)
+        try:
+            while (message := await sip.read_stream_message(reader)) is not None:
+                self.datagram_received(message, peer)
+        except sip.SipError as err:  # the framing is lost: the connection cannot go on
+            self._malformed_sip(peer, err)
+        except (ConnectionError, ssl.SSLError) as err:
+            logger.debug("SIP over %s from %s:%d: %s", transport, *peer, err)
+        finally:
+            if self._streams.get(peer, (None,))[0] is writer:
+                del self._streams[peer]
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _transport_of(self, peer: tuple[str, int]) -> str:
+        """UDP, or TCP/TLS for a peer connected over one."""
+        stream = self._streams.get(peer)
+        return stream[1] if stream is not None else "UDP"
 
     # -- datagrams -----------------------------------------------------------------------------------
 
@@ -172,7 +228,10 @@ class SipUas:
             logger.exception("error handling %s from %s:%d", message.method or message.status, *source[:2])
 
     def _send(self, data: bytes, destination: tuple[str, int]) -> None:
-        if self._transport is not None and not self._transport.is_closing():
+        if (stream := self._streams.get(destination)) is not None:
+            if not stream[0].is_closing():
+                stream[0].write(data)
+        elif self._transport is not None and not self._transport.is_closing():
             self._transport.sendto(data, destination)
 
     def _respond(self, tx: Transaction, status: int, reason: str, **kwargs) -> None:
@@ -188,8 +247,9 @@ class SipUas:
         self._send(tx.response, tx.source)
         if tx.request.method == "INVITE" and status >= 200:
             tx.final = True
+            first = T1_S if self._transport_of(tx.source) == "UDP" else TRANSACTION_S  # reliable: wait, no resend
             tx.retransmit = asyncio.get_running_loop().call_later(
-                T1_S, self._retransmit, tx, T1_S, time.monotonic()
+                first, self._retransmit, tx, first, time.monotonic()
             )
 
     def _retransmit(self, tx: Transaction, interval_s: float, since_s: float) -> None:
@@ -202,7 +262,8 @@ class SipUas:
             if dialog is not None and dialog.invite is tx:
                 dialog.media.hangup("no ACK")
             return
-        self._send(tx.response, tx.source)
+        if self._transport_of(tx.source) == "UDP":
+            self._send(tx.response, tx.source)
         interval_s = min(2 * interval_s, T2_S)
         tx.retransmit = asyncio.get_running_loop().call_later(
             interval_s, self._retransmit, tx, interval_s, since_s
@@ -341,8 +402,11 @@ class SipUas:
     def _answer_headers(self, tx: Transaction) -> list[tuple[str, str]]:
         user = tx.request.uri.split(":", 1)[-1].split("@")[0] if "@" in tx.request.uri else ""
         contact = f"sip:{user}@" if user else "sip:"
+        transport = self._transport_of(tx.source)
+        port = self.tls_port if transport == "TLS" else self.address[1]
+        suffix = "" if transport == "UDP" else f";transport={transport.lower()}"
         return [
-            ("Contact", f"<{contact}{self._local_ip(tx.source[0])}:{self.address[1]}>"),
+            ("Contact", f"<{contact}{self._local_ip(tx.source[0])}:{port}{suffix}>"),
             ("Allow", ALLOW),
             ("Content-Type", "application/sdp"),
         ]
@@ -392,17 +456,19 @@ class SipUas:
                 media=media,
                 sdp=sdp,
                 invite=tx,
+                transport=self._transport_of(tx.source),
             )
             self._dialogs[info.call_id] = dialog
             self._respond(tx, 200, "OK", headers=self._answer_headers(tx), body=sdp)
             answered = True
             logger.info(
-                "call %s from %s to %s: %s on RTP port %d",
+                "call %s from %s to %s: %s on RTP port %d (SIP over %s)",
                 info.call_id,
                 info.from_uri,
                 info.to_uri,
                 negotiated.codec,
                 port,
+                dialog.transport,
             )
             dialog.task = asyncio.get_running_loop().create_task(self._run(dialog), name=f"call {info.call_id}")
             self._track(dialog.task)
@@ -445,10 +511,17 @@ class SipUas:
         dialog.local_cseq += 1
         branch = sip.new_branch()
         host = self._local_ip(dialog.source[0])
+        transport = self._transport_of(dialog.source)
+        if transport == "UDP" and dialog.transport != "UDP":
+            logger.warning(
+                "call %s: no BYE sent, the caller closed its %s connection", dialog.info.call_id, dialog.transport
+            )
+            return
         data = sip.request(
             "BYE",
             dialog.remote_target,
-            via=f"{host}:{self.address[1]}",
+            via=f"{host}:{self.tls_port if transport == 'TLS' else self.address[1]}",
+            transport=transport,
             from_=dialog.local,
             to=dialog.remote,
             call_id=dialog.info.call_id,
@@ -458,6 +531,8 @@ class SipUas:
             user_agent=self.config.user_agent,
         )
         self._send(data, dialog.source)
+        if transport != "UDP":
+            return  # reliable: no retransmission, and its response needs no timer to stop
         self._client[branch] = asyncio.get_running_loop().call_later(
             T1_S, self._retransmit_request, branch, data, dialog.source, T1_S, time.monotonic()
         )
