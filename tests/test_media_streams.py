@@ -154,11 +154,41 @@ def test_twilio_both_tracks_come_back_labelled_with_dtmf_and_the_end(server):
 
 
 @needs_espeak
-@pytest.mark.parametrize("stereo", [True, False])
-def test_audio_fork_stereo_and_mono(server, stereo):
-    """jambonz ``listen`` (metadata with sampleRate and mixType, stereo at 16 kHz) and mod_audio_fork
-    with no metadata (the URL says 8000 Hz, mono)."""
-    rate = 16000 if stereo else 8000
+def test_telnyx_media_streaming_with_its_snake_case_fields(server):
+    """Telnyx's media streaming: Twilio's events with ``stream_id``, ``sequence_number``, ``media_format``
+    (here PCMA) and ``call_control_id``, and a start that lists no tracks."""
+    caller = encode(call_audio(CALLER, 8000, 0.3), "ALAW")
+    stream_id, control = str(uuid.uuid4()), "v3:" + uuid.uuid4().hex
+
+    def message(event: str, sequence: int, **body) -> str:
+        return json.dumps({"event": event, "sequence_number": str(sequence), **body, "stream_id": stream_id})
+
+    async def run() -> list[dict]:
+        async with websockets.connect(url(server, "twilio")) as ws:
+            await ws.send(json.dumps({"event": "connected", "version": "1.0.0"}))
+            media_format = {"encoding": "PCMA", "sample_rate": 8000, "channels": 1}
+            await ws.send(message("start", 1, start={"call_control_id": control, "media_format": media_format}))
+            for chunk, offset in enumerate(range(0, len(caller), 160), start=1):
+                payload = base64.b64encode(caller[offset : offset + 160]).decode()
+                media = {"track": "inbound", "chunk": str(chunk), "timestamp": str(chunk * 20), "payload": payload}
+                await ws.send(message("media", chunk + 1, media=media))
+            await ws.send(message("stop", 10_000, stop={"call_control_id": control}))
+            return await receive_all(ws)
+
+    messages = asyncio.run(run())
+    assert messages[-1]["event"] == "stopped" and messages[-1]["tracks"]["inbound"]["finals"] >= 1, messages
+    assert (messages[-1]["streamSid"], messages[-1]["callSid"]) == (stream_id, control)
+    assert heard_as(messages, "inbound") == CALLER
+
+
+@needs_espeak
+@pytest.mark.parametrize("platform", ["jambonz", "mod_audio_fork", "vonage"])
+def test_audio_fork_stereo_and_mono(server, platform):
+    """jambonz ``listen`` (metadata with sampleRate and mixType: stereo at 16 kHz), mod_audio_fork with no
+    metadata (the URL says 8000 Hz, mono) and Vonage's WebSocket connection (its first message's content
+    type says L16 at 16 kHz, mono)."""
+    stereo = platform == "jambonz"
+    rate = 8000 if platform == "mod_audio_fork" else 16000
     caller = call_audio(CALLER, rate, 0.3)
     agent = call_audio(AGENT, rate, 1.0)
     n = max(len(caller), len(agent))
@@ -170,18 +200,25 @@ def test_audio_fork_stereo_and_mono(server, stereo):
         pcm = encode(caller, "LINEAR16")
     frame = (2 if stereo else 1) * 2 * rate // 50  # 20 ms
     metadata = {
-        "callSid": "c-" + uuid.uuid4().hex,
-        "from": "+15551230001",
-        "to": "+15551230002",
-        "sampleRate": rate,
-        "mixType": "stereo",
-    }
+        "jambonz": {
+            "callSid": "c-" + uuid.uuid4().hex,
+            "from": "+15551230001",
+            "to": "+15551230002",
+            "sampleRate": rate,
+            "mixType": "stereo",
+        },
+        "vonage": {
+            "event": "websocket:connected",
+            "content-type": f"audio/l16;rate={rate}",
+            "caller": "15551230001",
+        },
+    }.get(platform)
     tracks = ["inbound", "outbound"] if stereo else ["inbound"]
 
     async def run() -> list[dict]:
-        query = "" if stereo else "sample_rate=8000"
+        query = "sample_rate=8000" if platform == "mod_audio_fork" else ""
         async with websockets.connect(url(server, "audio-fork", query)) as ws:
-            if stereo:
+            if metadata is not None:
                 await ws.send(json.dumps(metadata))
             for offset in range(0, len(pcm), frame):
                 await ws.send(pcm[offset : offset + frame])

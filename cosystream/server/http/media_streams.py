@@ -6,14 +6,17 @@ Two endpoints, each a WebSocket the platform opens to us:
 https://www.twilio.com/docs/voice/media-streams/websocket-messages: JSON text messages ``connected``,
 ``start`` (``start.streamSid``, ``callSid``, ``tracks``, ``customParameters``, ``mediaFormat``: base64
 ``audio/x-mulaw`` at 8000 Hz, mono), ``media`` (``media.track`` ``inbound``/``outbound``, ``chunk``,
-``timestamp``, ``payload``), ``dtmf`` (``dtmf.digit``), ``mark`` and ``stop``. Telnyx, Vonage and
-Plivo send the same shape.
+``timestamp``, ``payload``), ``dtmf`` (``dtmf.digit``), ``mark`` and ``stop``. Telnyx's media
+streaming (https://developers.telnyx.com/docs/voice/programmable-voice/media-streaming) has the same
+events with snake_case fields (``stream_id``, ``media_format``, ``call_control_id``; PCMU or PCMA):
+they are read too.
 
 ``/v1/media-streams/audio-fork``: FreeSWITCH ``mod_audio_fork`` / ``mod_audio_stream`` and jambonz
 ``listen``: an optional first text message of JSON metadata (jambonz sends ``callSid``, ``from``,
 ``to``, ``sampleRate``, ``mixType``; FreeSWITCH whatever the ``uuid_audio_fork`` command's metadata
-says), then binary frames of 16-bit little-endian linear PCM at 8 or 16 kHz (``sampleRate`` in the
-metadata, else ``?sample_rate=``, default 8000), one channel, or two interleaved for ``mixType:
+says; Vonage's WebSocket connection, ``{"event": "websocket:connected", "content-type":
+"audio/l16;rate=16000"}``), then binary frames of 16-bit little-endian linear PCM at 8 or 16 kHz
+(``sampleRate`` or the content type's rate in the metadata, else ``?sample_rate=``, default 8000), one channel, or two interleaved for ``mixType:
 "stereo"`` / ``?channels=2`` (the caller left, the other party right).
 
 Every track of a call (Twilio's ``inbound``/``outbound`` of ``both_tracks``, the two channels of a
@@ -61,6 +64,8 @@ from cosystream.v1.webhook import WebhookPoster
 log = logging.getLogger(__name__)
 
 TWILIO_TRACKS = ("inbound", "outbound")
+# mediaFormat.encoding (Twilio's MIME type; Telnyx's media_format.encoding names the codec)
+MEDIA_ENCODINGS = {"audio/x-mulaw": pb.MULAW, "PCMU": pb.MULAW, "audio/x-alaw": pb.ALAW, "PCMA": pb.ALAW}
 FORK_RATES = (8000, 16000)
 FLUSH_TIMEOUT_S = 30.0
 """After the stream's end: how long its sessions may take to send their last finals."""
@@ -269,8 +274,13 @@ class TwilioStream(MediaSocket):
 
     kind = "Twilio"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.encoding: int | None = None  # set by the start message
+        self._message: dict = {}
+
     async def on_text(self, data: str) -> None:
-        message = _json(data)
+        message = self._message = _json(data)
         event = message.get("event")
         if event == "connected":
             return
@@ -295,30 +305,38 @@ class TwilioStream(MediaSocket):
         raise Refused(1003, "Twilio Media Streams send text messages only")
 
     async def _start(self, start: dict) -> None:
-        if self.tracks:
+        if self.tracks or self.encoding is not None:
             raise Refused(1003, "a second start message")
-        parameters = start.get("customParameters") or {}
+        parameters = start.get("customParameters") or start.get("custom_parameters") or {}
         self.check_token(parameters.get("token") if isinstance(parameters, dict) else None)
-        self.ids = {"streamSid": str(start.get("streamSid", "")), "callSid": str(start.get("callSid", ""))}
-        media_format = start.get("mediaFormat") or {}
-        encoding = media_format.get("encoding", "audio/x-mulaw")
-        rate = int(media_format.get("sampleRate", 8000) or 8000)
-        if encoding != "audio/x-mulaw" or rate != 8000 or int(media_format.get("channels", 1) or 1) != 1:
-            raise Refused(1003, f"mediaFormat {media_format}: Twilio streams audio/x-mulaw, 8000 Hz, 1 channel")
+        stream = start.get("streamSid") or self._message.get("streamSid") or self._message.get("stream_id", "")
+        call = start.get("callSid") or start.get("call_control_id", "")
+        self.ids = {"streamSid": str(stream), "callSid": str(call)}
+        media_format = start.get("mediaFormat") or start.get("media_format") or {}
+        encoding = MEDIA_ENCODINGS.get(str(media_format.get("encoding", "audio/x-mulaw")))
+        rate = media_format.get("sampleRate", media_format.get("sample_rate", 8000))
+        if encoding is None or rate != 8000 or media_format.get("channels", 1) != 1:
+            raise Refused(
+                1003,
+                f"mediaFormat {media_format}: this endpoint takes audio/x-mulaw (or PCMU, PCMA), 8000 Hz, 1 channel",
+            )
+        self.encoding = encoding
         tracks = start.get("tracks") or ["inbound"]
         for name in tracks:
-            if name not in TWILIO_TRACKS:
-                raise Refused(1003, f"track {name!r} (Twilio's tracks are inbound and outbound)")
-            self.open_track(name, self.config(pb.MULAW, 8000))
+            self._track(name)
         log.info("Twilio stream %s of call %s: tracks %s", self.ids["streamSid"], self.ids["callSid"], tracks)
 
-    async def _media(self, media: dict) -> None:
-        if not self.tracks:
-            raise Refused(1003, "a media message before the start message")
-        name = media.get("track", "inbound")
+    def _track(self, name: object) -> _Track:
+        """The track ``name``, opened at its first mention (Twilio's start lists them; Telnyx's does not)."""
+        if name not in TWILIO_TRACKS:
+            raise Refused(1003, f"track {name!r} (the tracks are inbound and outbound)")
         track = self.tracks.get(name)
-        if track is None:
-            raise Refused(1003, f"media of track {name!r}, which the start message did not announce")
+        return track if track is not None else self.open_track(name, self.config(self.encoding, 8000))
+
+    async def _media(self, media: dict) -> None:
+        if self.encoding is None:
+            raise Refused(1003, "a media message before the start message")
+        track = self._track(media.get("track", "inbound"))
         try:
             audio = base64.b64decode(media.get("payload", ""), validate=True)
         except (binascii.Error, TypeError, ValueError):
@@ -359,6 +377,9 @@ class AudioForkStream(MediaSocket):
     def _open(self) -> None:
         self.check_token(self.metadata.get("token"))
         rate = self.metadata.get("sampleRate", self.query.get("sample_rate", 8000))
+        content_type = str(self.metadata.get("content-type", ""))  # Vonage: "audio/l16;rate=16000"
+        if content_type.lower().startswith("audio/l16") and "rate=" in content_type:
+            rate = content_type.split("rate=", 1)[1].split(";", 1)[0]
         try:
             rate = int(rate)
         except (TypeError, ValueError):
