@@ -374,6 +374,43 @@ def test_an_idle_stream_mid_utterance_gets_its_final_then_deadline_exceeded():
         assert len(client.finals) == 1 and client.finals[0].transcript
 
 
+VANISHING_CLIENT = """
+import sys, time, grpc
+from cosystream.v1 import cosystream_pb2 as pb, cosystream_pb2_grpc as pb_grpc
+def requests():
+    yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000))
+    yield pb.StreamingRecognizeRequest(audio=bytes(3200))
+    print("streaming", flush=True)
+    time.sleep(3600)
+for _ in pb_grpc.CosyStreamStub(grpc.insecure_channel(sys.argv[1])).StreamingRecognize(requests()):
+    pass
+"""
+
+
+def test_keepalive_frees_the_slot_of_a_client_that_vanished():
+    """A client whose process stops answering (a laptop lid closed, a phone out of coverage: no FIN, no
+    RST) has its connection closed by the server's keepalive pings and its slot freed in seconds, long
+    before the stream's idle timeout; a client that answers the pings keeps its quiet stream."""
+    flags = ("--keepalive-s", "1", "--keepalive-timeout-s", "1", "--idle-timeout-s", "300")
+    with Served("--frontends", "1", *flags) as served:
+        repo = Path(__file__).resolve().parent.parent
+        client = subprocess.Popen(
+            [sys.executable, "-c", VANISHING_CLIENT, served.address], stdout=subprocess.PIPE, text=True, cwd=repo
+        )
+        try:
+            assert client.stdout.readline().strip() == "streaming"
+            time.sleep(4)  # a ping a second, each answered: the quiet stream stays
+            assert served.info().active_sessions == 1
+            client.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            while served.info().active_sessions:
+                assert time.monotonic() - stopped < 15, "the vanished client's slot was not freed"
+                time.sleep(0.2)
+        finally:
+            client.kill()
+            client.wait()
+
+
 @needs_espeak
 def test_finalize_after_every_chunk_costs_at_most_twice_the_audio():
     with Served("--frontends", "1") as served:

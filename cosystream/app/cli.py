@@ -473,6 +473,25 @@ def build_parser() -> argparse.ArgumentParser:
         "UNAVAILABLE); the default 20 s, with up to 6 s more to stop, fits Kubernetes' default 30 s grace period",
     )
     serve.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=None,
+        help="HTTP/2 keepalive: ping every client connection this often (default: 30)",
+    )
+    serve.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        default=None,
+        help="close a connection whose peer does not answer a ping within this (its streams end, their slots are "
+        "freed) (default: 10)",
+    )
+    serve.add_argument(
+        "--min-client-ping-s",
+        type=float,
+        default=None,
+        help="the shortest interval a client may ping at; more often gets GOAWAY too_many_pings (default: 10)",
+    )
+    serve.add_argument(
         "--max-failures",
         type=int,
         default=None,
@@ -760,7 +779,14 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
     from cosystream.server.servicer import StreamOptions
 
     return FrontendConfig(
-        **given(host=args.host, port=args.port, drain_grace_s=args.drain_grace_s),
+        **given(
+            host=args.host,
+            port=args.port,
+            drain_grace_s=args.drain_grace_s,
+            keepalive_s=args.keepalive_s,
+            keepalive_timeout_s=args.keepalive_timeout_s,
+            min_client_ping_s=args.min_client_ping_s,
+        ),
         tls=tls,
         auth_tokens=auth_tokens,
         admin=args.admin,

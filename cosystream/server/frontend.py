@@ -56,6 +56,18 @@ class FrontendConfig:
     auth_tokens: str | None = None  # a tokens file; None: no authentication (serve --auth-tokens)
     http: HttpConfig | None = None  # the HTTP port (OpenAI-shaped APIs, the page); None: off (serve --http-port)
     admin: bool = False  # the Admin service without tokens (serve --admin); with tokens it is on, for admin tokens
+    # HTTP/2 keepalive (serve --keepalive-s, --keepalive-timeout-s, --min-client-ping-s): the server pings every
+    # connection this often and closes one whose peer does not answer in time (a vanished phone or laptop
+    # frees its slot in seconds, not at the stream's idle timeout); clients may ping this often at most
+    # (more often: GOAWAY too_many_pings after 2 strikes), with or without a stream.
+    keepalive_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    min_client_ping_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_s", "keepalive_timeout_s", "min_client_ping_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}")
 
 
 class Frontend:
@@ -140,8 +152,14 @@ class Frontend:
             ("grpc.http2.lookahead_bytes", 256 << 10),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", 16 << 20),
+            ("grpc.keepalive_time_ms", int(self.config.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.config.keepalive_timeout_s * 1000)),
+            # (the ping's timeout in the gRPC core that grpcio 1.85 ships: keepalive_timeout_ms alone closes nothing)
+            ("grpc.http2.ping_timeout_ms", int(self.config.keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet stream (the default stops at 2)
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.config.min_client_ping_s * 1000)),
+            ("grpc.http2.max_ping_strikes", 2),
         ]
         self.server = grpc.aio.server(options=options, interceptors=self._interceptors())
         pb_grpc.add_CosyStreamServicer_to_server(self.servicer, self.server)
