@@ -44,3 +44,20 @@ def encode(audio: np.ndarray, encoding: str) -> bytes:
     if encoding == "ALAW":
         return encode_alaw(audio)
     raise ValueError(encoding)
+
+
+def two_speakers(first: str, second: str, rate_hz: int = 16000, encoding: str = "LINEAR16") -> bytes:
+    """A two-channel recording, interleaved: ``first`` spoken on channel 1 from 0.3 s, ``second`` on
+    channel 2 from 0.8 s (a caller and an agent), each followed by a second of silence."""
+    one = np.concatenate([silence(0.3, rate_hz), speech(first, rate_hz=rate_hz), silence(1.0, rate_hz)])
+    two = np.concatenate([silence(0.8, rate_hz), speech(second, rate_hz=rate_hz), silence(1.0, rate_hz)])
+    n = max(len(one), len(two))
+    dtype = np.dtype("<i2") if encoding == "LINEAR16" else np.dtype(np.uint8)
+    channels = [np.frombuffer(encode(np.pad(x, (0, n - len(x))), encoding), dtype) for x in (one, two)]
+    return np.stack(channels, axis=1).tobytes()
+
+
+def closer_to(text: str, sentences: list[str]) -> str:
+    """Which of ``sentences`` ``text`` shares the most words with."""
+    words = set(text.lower().split())
+    return max(sentences, key=lambda sentence: len(words & set(sentence.split())))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.servers import local_server
-from tests.speech import encode, needs_espeak, silence, speech
+from tests.speech import closer_to, encode, needs_espeak, silence, speech, two_speakers
 
 speech_v1 = pytest.importorskip("google.cloud.speech_v1", reason="needs google-cloud-speech (the compat extra)")
 from google.api_core import exceptions  # noqa: E402
@@ -26,6 +26,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 
 from cosystream.server.compat.bridge import AbortGuard  # noqa: E402
 from cosystream.server.compat.google_speech import EARLY_CODES  # noqa: E402
+from cosystream.v1 import cosystream_pb2 as pb  # noqa: E402
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc  # noqa: E402
 
 pytestmark = needs_espeak
 
@@ -203,6 +205,30 @@ def test_half_close_flushes_the_last_final(client):
     assert recognize(client, streaming_config(), b"") == []
 
 
+@pytest.mark.parametrize("encoding", [Encoding.LINEAR16, Encoding.MULAW])
+def test_separate_recognition_per_channel(client, server, encoding):
+    """Two channels, each its own session: each channel's finals come back tagged 1 or 2, with its own
+    words (a downmix would give both sentences mixed in one)."""
+    name = "LINEAR16" if encoding == Encoding.LINEAR16 else "MULAW"
+    data, sentences = two_speakers(SENTENCE, OTHER, encoding=name), [SENTENCE, OTHER]
+    config = streaming_config(
+        encoding=encoding, audio_channel_count=2, enable_separate_recognition_per_channel=True
+    )
+    responses = recognize(client, config, data, chunk_bytes=4 * 1601)  # frames split across requests
+    finals = {1: [], 2: []}
+    for response in responses:
+        for result in response.results:
+            assert result.channel_tag in (1, 2)
+            if result.is_final:
+                finals[result.channel_tag].append(result.alternatives[0].transcript)
+    assert finals[1] and finals[2], responses
+    assert closer_to(" ".join(finals[1]), sentences) == SENTENCE
+    assert closer_to(" ".join(finals[2]), sentences) == OTHER
+    with grpc.insecure_channel(server.address) as channel:  # both channels' sessions are gone
+        info = pb_grpc.CosyStreamStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    assert info.active_sessions == 0
+
+
 def test_a_request_over_the_native_limit_is_accepted(client):
     # 4 MB of silence in one request (Google allows 10 MB; the native default limit is 1 MiB).
     assert recognize(client, streaming_config(), bytes(4 << 20), 4 << 20) == []
@@ -217,7 +243,14 @@ BAD_CONFIGS = [
     ({"rate_hz": 100}, "8000 to 48000"),
     ({"rate_hz": 0}, "sample_rate_hertz is required"),
     ({"encoding": Encoding.ENCODING_UNSPECIFIED}, "no WAV header"),
-    ({"enable_separate_recognition_per_channel": True, "audio_channel_count": 2}, "per_channel"),
+    (
+        {
+            "enable_separate_recognition_per_channel": True,
+            "audio_channel_count": 2,
+            "streaming": {"single_utterance": True},
+        },
+        "cannot be combined",
+    ),
 ]
 
 

@@ -21,7 +21,7 @@ from cosystream.audio.wav import is_wav, parse_wav_header
 from cosystream.server import compat
 from cosystream.server.compat.bridge import Downmixer
 from tests.servers import local_server
-from tests.speech import encode, needs_espeak, silence, speech
+from tests.speech import closer_to, encode, needs_espeak, silence, speech, two_speakers
 
 riva_client = pytest.importorskip("riva.client", reason="needs nvidia-riva-client (the compat extra)")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -173,6 +173,21 @@ def test_bad_config_is_invalid_argument(asr, config, match):
         list(asr.streaming_response_generator(iter([bytes(3200)]), streaming_config(**config)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert match in info.value.details()
+
+
+@needs_espeak
+def test_separate_recognition_per_channel(asr, server):
+    """Two channels, each its own session: finals tagged channel 1 and 2, each with its own words."""
+    data = two_speakers(SENTENCE, OTHER)
+    config = streaming_config(audio_channel_count=2, enable_separate_recognition_per_channel=True)
+    finals = {1: [], 2: []}
+    for response in asr.streaming_response_generator(chunks(data, 6402), config):
+        for result in response.results:
+            if result.is_final:
+                finals[result.channel_tag].append(result.alternatives[0].transcript)
+    assert closer_to(" ".join(finals[1]), [SENTENCE, OTHER]) == SENTENCE, finals
+    assert closer_to(" ".join(finals[2]), [SENTENCE, OTHER]) == OTHER, finals
+    assert active_sessions(server) == 0
 
 
 def test_list_models(asr, server):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -38,6 +38,7 @@ from cosystream.v1 import cosystream_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_CHANNELS = 8
+QUEUED_PER_CHANNEL = 64  # requests split for a channel's session before the reader waits for it
 _REJECTED = {grpc.StatusCode.DEADLINE_EXCEEDED: "idle_timeout"}  # the native servicer's metric labels
 DEFAULT_RATE_HZ = 16000  # only for a stream that ends before any audio, so that it ends OK
 
@@ -63,11 +64,19 @@ class AbortGuard:
         self._context = context
         self._early_codes = early_codes
         self.responded = False
+        self._metadata_sent = False
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         if not self.responded:
             code = self._early_codes.get(code, code)
         await self._context.abort(code, details, trailing_metadata)
+
+    async def send_initial_metadata(self, metadata) -> None:
+        """Once: a stream recognized per channel runs a native session per channel, and the call has one set
+        of initial metadata (the first channel's session id)."""
+        if not self._metadata_sent:
+            self._metadata_sent = True
+            await self._context.send_initial_metadata(metadata)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
@@ -161,6 +170,28 @@ class Downmixer:
             samples = np.frombuffer(data, "<i2", usable // 2)
         frames = samples.reshape(-1, self._channels).astype(np.int32)
         return (frames.sum(axis=1) // self._channels).astype("<i2").tobytes()
+
+
+class ChannelSplitter:
+    """Interleaved multi-channel audio to one byte string per channel, each in the audio's own encoding
+    (separate recognition per channel); a frame split across chunks is carried to the next one."""
+
+    __slots__ = ("_carry", "_channels", "_dtype", "_frame_bytes")
+
+    def __init__(self, encoding: AudioEncoding, channels: int):
+        self._channels = channels
+        self._dtype = np.uint8 if encoding in (AudioEncoding.MULAW, AudioEncoding.ALAW) else np.dtype("<i2")
+        self._frame_bytes = channels * np.dtype(self._dtype).itemsize
+        self._carry = b""
+
+    def push(self, chunk: bytes) -> list[bytes]:
+        data = self._carry + chunk if self._carry else chunk
+        usable = len(data) - len(data) % self._frame_bytes
+        self._carry = data[usable:]
+        frames = np.frombuffer(data, self._dtype, usable // np.dtype(self._dtype).itemsize).reshape(
+            -1, self._channels
+        )
+        return [frames[:, k].tobytes() for k in range(self._channels)]
 
 
 class AudioInput:
@@ -259,6 +290,41 @@ class AudioInput:
                 yield pb.StreamingRecognizeRequest()
             foreign = None
 
+    def channel_requests(
+        self, audio: AudioFormat, config: pb.StreamingConfig
+    ) -> tuple[list[AsyncIterator[pb.StreamingRecognizeRequest]], Callable[[], Awaitable[None]]]:
+        """Separate recognition per channel: one native request stream per channel (``config``, mono, then
+        that channel's samples), and the coroutine function that reads the foreign stream once and feeds
+        them all (run it beside the native streams)."""
+        splitter = ChannelSplitter(audio.encoding, audio.channels)
+        queues: list[asyncio.Queue] = [asyncio.Queue(QUEUED_PER_CHANNEL) for _ in range(audio.channels)]
+        config.encoding = int(audio.encoding)
+        config.sample_rate_hz = audio.sample_rate_hz
+
+        async def feed() -> None:
+            try:
+                interleaved = AudioFormat(audio.encoding, audio.sample_rate_hz, 1)  # (no downmix)
+                requests = self.native_requests(interleaved, pb.StreamingConfig())
+                await anext(requests)  # the combined stream's config: each channel sends its own
+                async for request in requests:
+                    if request.audio:
+                        for queue, samples in zip(queues, splitter.push(request.audio), strict=True):
+                            if samples:
+                                await queue.put(pb.StreamingRecognizeRequest(audio=samples))
+                    else:
+                        for queue in queues:  # a second config or an empty request: every channel refuses it
+                            await queue.put(request)
+            finally:
+                for queue in queues:
+                    await queue.put(None)
+
+        async def channel(queue: asyncio.Queue) -> AsyncIterator[pb.StreamingRecognizeRequest]:
+            yield pb.StreamingRecognizeRequest(config=config)
+            while (request := await queue.get()) is not None:
+                yield request
+
+        return [channel(queue) for queue in queues], feed
+
 
 class Translation:
     """One foreign stream's mapping, built from its first request (which may be None: no request came).
@@ -271,10 +337,13 @@ class Translation:
     declared: AudioFormat
     native_config: pb.StreamingConfig
     encoding_names: Mapping[AudioEncoding, str]
+    separate_channels = False  # one native session per channel, results tagged 1..N
     stop_audio = False
     done = False
 
-    def translate(self, response: pb.StreamingRecognizeResponse) -> Iterable[Any]:
+    def translate(self, response: pb.StreamingRecognizeResponse, channel_tag: int = 0) -> Iterable[Any]:
+        """The foreign responses for a native one; ``channel_tag``: its channel (1..N) with separate
+        recognition per channel, else 0."""
         raise NotImplementedError
 
 
@@ -302,6 +371,10 @@ class StreamAdapter:
             log.debug("%s refused: %s %s", type(self).__name__, err.code.name, err.message)
             self.servicer.metrics.rejected(_REJECTED.get(err.code, "invalid_argument"))
             await guard.abort(err.code, err.message)
+        if translation.separate_channels and audio_format.channels > 1:
+            async for foreign in self._per_channel(audio, audio_format, translation, guard):
+                yield foreign
+            return
         native = self.servicer.StreamingRecognize(
             audio.native_requests(audio_format, translation.native_config), guard
         )
@@ -315,3 +388,44 @@ class StreamAdapter:
                     break
         finally:
             await native.aclose()
+
+    async def _per_channel(
+        self, audio: AudioInput, audio_format: AudioFormat, translation: Translation, guard: AbortGuard
+    ) -> AsyncIterator[Any]:
+        """Separate recognition per channel: a native session per channel (each a session of its own,
+        counted as one), their responses merged in the order they come, tagged with their channel. The
+        stream ends when every channel's session has; the first to fail ends them all with its status."""
+        channels, feed = audio.channel_requests(audio_format, translation.native_config)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def run(tag: int, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
+            native = self.servicer.StreamingRecognize(requests, guard)
+            try:
+                async for response in native:
+                    await merged.put((tag, response))
+            except BaseException as err:  # (an abort: the call's status is set; it is raised below)
+                await merged.put((tag, err))
+                return
+            finally:
+                await native.aclose()
+            await merged.put((tag, None))
+
+        tasks = [asyncio.ensure_future(feed())]
+        tasks += [asyncio.ensure_future(run(tag, requests)) for tag, requests in enumerate(channels, start=1)]
+        try:
+            running = len(channels)
+            while running:
+                tag, item = await merged.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    for foreign in translation.translate(item, tag):
+                        guard.responded = True
+                        yield foreign
+                    audio.stopped = translation.stop_audio
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

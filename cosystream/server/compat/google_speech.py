@@ -8,6 +8,8 @@ Mapping decisions (docs/COMPAT.md has the user-facing list):
   * exactly one of results / speech event per response; the ``error`` field is never used (errors end
     the stream with a status, as Google's service does);
   * SPEECH_ACTIVITY_BEGIN / END only with ``enable_voice_activity_events``, with ``speech_event_time``;
+  * ``enable_separate_recognition_per_channel`` with ``audio_channel_count`` N > 1: a native session per
+    channel, results tagged ``channel_tag`` 1..N (streaming only; a whole file's channels are mixed);
   * ``single_utterance``: at the first utterance's end, END_OF_SINGLE_UTTERANCE, then its final, then
     the stream ends with OK (audio sent after the event is not recognized);
   * finals carry ``confidence`` and, when asked, words (Duration offsets from the start of the stream);
@@ -78,11 +80,11 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
             f"Invalid recognition 'config': encoding {name} is not supported by this server: "
             f"use {usable}, or send a WAV file with the encoding unspecified",
         )
-    if config.enable_separate_recognition_per_channel:
+    if config.enable_separate_recognition_per_channel and files:
         raise CompatError(
             _BAD,
-            "Invalid recognition 'config': enable_separate_recognition_per_channel is not supported: "
-            "channels are mixed down to one",
+            "Invalid recognition 'config': enable_separate_recognition_per_channel is supported by "
+            "StreamingRecognize only: here the channels of a file are mixed down to one",
         )
     declared = AudioFormat(
         _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
@@ -125,6 +127,13 @@ class GoogleTranslation(Translation):
         self.word_time_offsets = config.enable_word_time_offsets
         self.word_confidence = config.enable_word_confidence
         self.language = (config.language_code or "en-US").lower()
+        self.separate_channels = config.enable_separate_recognition_per_channel
+        if self.separate_channels and self.single_utterance:
+            raise CompatError(
+                _BAD,
+                "Invalid recognition 'config': single_utterance and enable_separate_recognition_per_channel "
+                "cannot be combined here",
+            )
 
     def _event(self, kind: int, offset_ms: int | None = None) -> Response:
         response = Response(speech_event_type=kind)
@@ -132,7 +141,7 @@ class GoogleTranslation(Translation):
             response.speech_event_time.FromMilliseconds(offset_ms)
         return response
 
-    def translate(self, response: pb.StreamingRecognizeResponse) -> Iterator[Response]:
+    def translate(self, response: pb.StreamingRecognizeResponse, channel_tag: int = 0) -> Iterator[Response]:
         if response.HasField("speech_event"):
             event = response.speech_event
             if event.type == pb.SpeechEvent.SPEECH_STARTED and self.voice_events:
@@ -145,7 +154,9 @@ class GoogleTranslation(Translation):
                     yield self._event(Response.END_OF_SINGLE_UTTERANCE)
         for native in response.results:
             out = Response()
-            result = out.results.add(is_final=native.is_final, language_code=self.language)
+            result = out.results.add(
+                is_final=native.is_final, language_code=self.language, channel_tag=channel_tag
+            )
             result.result_end_time.FromMilliseconds(native.end_ms)
             alternative = result.alternatives.add(transcript=native.transcript)
             if native.is_final:

@@ -76,9 +76,11 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
             _BAD,
             f"encoding {name} is not supported: use {usable}, or send a WAV file with the encoding unspecified",
         )
-    if config.enable_separate_recognition_per_channel:
+    if config.enable_separate_recognition_per_channel and files:
         raise CompatError(
-            _BAD, "enable_separate_recognition_per_channel is not supported: channels are mixed down to one"
+            _BAD,
+            "enable_separate_recognition_per_channel is supported by StreamingRecognize only: the channels of "
+            "an offline Recognize are mixed down to one",
         )
     declared = AudioFormat(
         _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
@@ -118,8 +120,11 @@ class RivaTranslation(Translation):
         self.declared, self.native_config = check_config(streaming.config, info)
         self.native_config.interim_results = streaming.interim_results
         self.request_id = first.id if first.HasField("id") else None
+        self.separate_channels = streaming.config.enable_separate_recognition_per_channel
 
-    def translate(self, response: pb.StreamingRecognizeResponse) -> Iterator[rasr.StreamingRecognizeResponse]:
+    def translate(
+        self, response: pb.StreamingRecognizeResponse, channel_tag: int = 0
+    ) -> Iterator[rasr.StreamingRecognizeResponse]:
         for native in response.results:
             out = rasr.StreamingRecognizeResponse()
             if self.request_id is not None:
@@ -128,6 +133,7 @@ class RivaTranslation(Translation):
                 is_final=native.is_final,
                 stability=native.stability,
                 audio_processed=response.latency.audio_processed_ms / 1000,
+                channel_tag=channel_tag or 1,
             )
             fill_alternative(result.alternatives.add(), native)
             yield out
