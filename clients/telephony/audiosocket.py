@@ -146,7 +146,7 @@ class AudioSocketServer:
         self._streams.add(asr)
         session = asyncio.ensure_future(asr.run())
         receive = asyncio.ensure_future(self._receive(reader, asr, info))
-        reason = ""
+        reason, failed = "", False
         try:
             done, _ = await asyncio.wait({session, receive}, return_when=asyncio.FIRST_COMPLETED)
             if receive in done:
@@ -157,6 +157,7 @@ class AudioSocketServer:
                 session.result()
                 reason = "the gateway is stopping" if self._stopping else "the server ended the session"
         except grpc.aio.AioRpcError as err:
+            failed = True
             reason = f"the cosystream session failed: {err.code().name}: {err.details()}"
             logger.error("AudioSocket call %s: %s", info.call_id, reason)
         finally:
@@ -167,7 +168,6 @@ class AudioSocketServer:
                     with contextlib.suppress(BaseException):
                         await task
             reason = reason or "cancelled"
-            failed = reason.startswith("the cosystream session failed")
             self._sink.ended(info, reason, asr.sent_ms, asr.finals, ok=asr.sent_ms > 0 and not failed)
             logger.log(
                 logging.INFO if asr.sent_ms else logging.WARNING,

@@ -292,17 +292,19 @@ class RtpCall:
         """:meth:`run`, with a failed session or a bug in this call made its end reason (the other calls go
         on); then the call's end line and its "ended" log line (WARNING when it had no usable audio)."""
         call_id = self.info.call_id
+        failed = False
         try:
             await self.run()
         except grpc.aio.AioRpcError as err:
+            failed = True
             self.end_reason = f"the cosystream session failed: {err.code().name}: {err.details()}"
             logger.error("call %s: %s", call_id, self.end_reason)
         except Exception as err:  # a bug in one call must not end the others
+            failed = True
             self.end_reason = f"internal error: {err!r}"
             logger.exception("call %s failed", call_id)
         finally:
             self.close()
-            failed = self.end_reason.startswith(("the cosystream session failed", "internal error"))
             unheard = self.unheard_why()
             reason = f"{self.end_reason}; {unheard}" if unheard else self.end_reason
             self._sink.ended(self.info, reason, self.asr.sent_ms, self.asr.finals, ok=not (unheard or failed))
