@@ -89,7 +89,6 @@ class _Track:
         self.finals = 0
         self.sent_bytes = 0
         self.bytes_per_ms = (2 if config.encoding == pb.LINEAR16 else 1) * config.sample_rate_hz // 1000
-        self.status: StreamEnded | None = None
         self.task = asyncio.get_running_loop().create_task(self._pump(socket))
 
     @property
@@ -118,7 +117,6 @@ class _Track:
                         }
                     )
         except StreamEnded as ended:
-            self.status = ended
             if ended.code != grpc.StatusCode.OK:
                 socket.fail(ended)
 
