@@ -243,6 +243,17 @@ BAD_CONFIGS = [
     ({"rate_hz": 100}, "8000 to 48000"),
     ({"rate_hz": 0}, "sample_rate_hertz is required"),
     ({"encoding": Encoding.ENCODING_UNSPECIFIED}, "no WAV header"),
+    ({"profanity_filter": True}, "profanity_filter (transcripts are not masked) is not supported"),
+    (
+        {"diarization_config": {"enable_speaker_diarization": True}},
+        "diarization_config.enable_speaker_diarization",
+    ),
+    ({"alternative_language_codes": ["es-ES"]}, "alternative_language_codes es-ES (en-US only)"),
+    ({"enable_spoken_punctuation": True}, "enable_spoken_punctuation is not supported"),
+    (
+        {"streaming": {"voice_activity_timeout": {"speech_start_timeout": {"seconds": 5}}}},
+        "voice_activity_timeout",
+    ),
     (
         {
             "enable_separate_recognition_per_channel": True,
@@ -252,6 +263,21 @@ BAD_CONFIGS = [
         "cannot be combined",
     ),
 ]
+
+
+def test_hints_and_fields_google_treats_as_best_effort_are_accepted(client):
+    """speech_contexts (hints), max_alternatives (up to that many), use_enhanced and metadata: what Google
+    itself may not honour in full is accepted, and the stream is recognized."""
+    data = encode(np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)]), "LINEAR16")
+    config = streaming_config(
+        speech_contexts=[{"phrases": ["quick brown fox"]}],
+        max_alternatives=3,
+        use_enhanced=True,
+        metadata={"interaction_type": "DICTATION"},
+    )
+    assert (
+        len(check_google_contract(recognize(client, config, data), voice_events=False, interim_results=False)) == 1
+    )
 
 
 @pytest.mark.parametrize(("config", "match"), BAD_CONFIGS)

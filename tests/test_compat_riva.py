@@ -164,6 +164,11 @@ BAD_CONFIGS = [
     ({"encoding": Encoding.OGGOPUS}, "OGGOPUS is not supported"),
     ({"rate_hz": 96000}, "8000 to 48000"),
     ({"encoding": Encoding.ENCODING_UNSPECIFIED}, "no WAV header"),
+    ({"profanity_filter": True}, "profanity_filter is not supported"),
+    (
+        {"diarization_config": rasr.SpeakerDiarizationConfig(enable_speaker_diarization=True)},
+        "enable_speaker_diarization is not supported",
+    ),
 ]
 
 

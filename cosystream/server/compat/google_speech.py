@@ -80,6 +80,8 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
             f"Invalid recognition 'config': encoding {name} is not supported by this server: "
             f"use {usable}, or send a WAV file with the encoding unspecified",
         )
+    for unsupported in _unhonoured(config):
+        raise CompatError(_BAD, f"Invalid recognition 'config': {unsupported} is not supported by this server")
     if config.enable_separate_recognition_per_channel and files:
         raise CompatError(
             _BAD,
@@ -98,6 +100,27 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         enable_automatic_punctuation=config.enable_automatic_punctuation,
     )
     return declared, native
+
+
+def _unhonoured(config) -> list[str]:
+    """The fields set in ``config`` that would change what the client gets and that this server cannot
+    honour (docs/COMPAT.md): refused rather than ignored. Hints (``speech_contexts``, ``adaptation``),
+    ``max_alternatives`` (Google returns up to that many), ``use_enhanced`` and ``metadata`` are ignored."""
+    unhonoured = []
+    languages = [code for code in config.alternative_language_codes if code.lower() not in LANGUAGES]
+    if languages:
+        unhonoured.append(f"alternative_language_codes {', '.join(languages)} (en-US only)")
+    if config.profanity_filter:
+        unhonoured.append("profanity_filter (transcripts are not masked)")
+    if config.HasField("diarization_config") and config.diarization_config.enable_speaker_diarization:
+        unhonoured.append("diarization_config.enable_speaker_diarization (no speaker tags)")
+    if config.HasField("enable_spoken_punctuation") and config.enable_spoken_punctuation.value:
+        unhonoured.append("enable_spoken_punctuation")
+    if config.HasField("enable_spoken_emojis") and config.enable_spoken_emojis.value:
+        unhonoured.append("enable_spoken_emojis")
+    if config.HasField("transcript_normalization") and config.transcript_normalization.entries:
+        unhonoured.append("transcript_normalization")
+    return unhonoured
 
 
 def fill_final(alternative, native: pb.StreamingResult, word_time_offsets: bool, word_confidence: bool) -> None:
@@ -127,6 +150,12 @@ class GoogleTranslation(Translation):
         self.word_time_offsets = config.enable_word_time_offsets
         self.word_confidence = config.enable_word_confidence
         self.language = (config.language_code or "en-US").lower()
+        if streaming.HasField("voice_activity_timeout"):
+            raise CompatError(
+                _BAD,
+                "voice_activity_timeout is not supported by this server: a stream ends when the client ends "
+                "it, or after the server's idle timeout without audio",
+            )
         self.separate_channels = config.enable_separate_recognition_per_channel
         if self.separate_channels and self.single_utterance:
             raise CompatError(

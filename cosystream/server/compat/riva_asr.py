@@ -76,6 +76,10 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
             _BAD,
             f"encoding {name} is not supported: use {usable}, or send a WAV file with the encoding unspecified",
         )
+    if config.profanity_filter:
+        raise CompatError(_BAD, "profanity_filter is not supported by this server: transcripts are not masked")
+    if config.HasField("diarization_config") and config.diarization_config.enable_speaker_diarization:
+        raise CompatError(_BAD, "diarization_config.enable_speaker_diarization is not supported: no speaker tags")
     if config.enable_separate_recognition_per_channel and files:
         raise CompatError(
             _BAD,
