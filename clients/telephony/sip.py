@@ -272,10 +272,8 @@ async def read_stream_message(reader: asyncio.StreamReader) -> bytes | None:
     :class:`SipError` for a message over 64 KiB or a connection cut inside one."""
     try:
         head = b""
-        while not head:
+        while not head.strip():  # (blank: keep-alives only)
             head = (await reader.readuntil(b"\r\n\r\n")).lstrip(b"\r\n")
-            if head == b"\r\n" or not head.strip():
-                head = b""
         match = _CONTENT_LENGTH.search(head)
         length = int(match.group(1)) if match else 0
         if len(head) + length > MAX_STREAM_MESSAGE_BYTES:

@@ -275,15 +275,14 @@ class TwilioStream(MediaSocket):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.encoding: int | None = None  # set by the start message
-        self._message: dict = {}
 
     async def on_text(self, data: str) -> None:
-        message = self._message = _json(data)
+        message = _json(data)
         event = message.get("event")
         if event == "connected":
             return
         if event == "start":
-            await self._start(message.get("start") or {})
+            await self._start(message)
         elif event == "media":
             await self._media(message.get("media") or {})
         elif event == "dtmf":
@@ -302,12 +301,13 @@ class TwilioStream(MediaSocket):
     async def on_binary(self, data: bytes) -> None:
         raise Refused(1003, "Twilio Media Streams send text messages only")
 
-    async def _start(self, start: dict) -> None:
+    async def _start(self, message: dict) -> None:
+        start = message.get("start") or {}
         if self.tracks or self.encoding is not None:
             raise Refused(1003, "a second start message")
         parameters = start.get("customParameters") or start.get("custom_parameters") or {}
         self.check_token(parameters.get("token") if isinstance(parameters, dict) else None)
-        stream = start.get("streamSid") or self._message.get("streamSid") or self._message.get("stream_id", "")
+        stream = start.get("streamSid") or message.get("streamSid") or message.get("stream_id", "")
         call = start.get("callSid") or start.get("call_control_id", "")
         self.ids = {"streamSid": str(stream), "callSid": str(call)}
         media_format = start.get("mediaFormat") or start.get("media_format") or {}
