@@ -78,6 +78,11 @@ def _metrics() -> dict:
     TOKEN_REFUSED = Counter(
         "cosystream_token_refused_sessions", "Sessions of a known token refused, by reason.", ["token", "reason"]
     )
+    TOKEN_AUDIO = Counter(
+        "cosystream_token_audio_seconds",
+        "Audio received per token with usage limits (max_audio_s_per_min / _per_day), counted as its streams end.",
+        ["token"],
+    )
     # The HTTP port (serve --http-port).
     HTTP_REQUESTS = Counter(
         "cosystream_http_requests", "HTTP requests answered, by route and status.", ["route", "status"]
@@ -113,6 +118,7 @@ REJECT_REASONS = (
     "unauthenticated",
     "permission_denied",
     "quota",
+    "usage_quota",
 )
 
 
@@ -183,6 +189,10 @@ class FrontendMetrics:
     def websocket(self, opened: bool) -> None:
         gauge = self._m["WEBSOCKETS"]
         gauge.inc() if opened else gauge.dec()
+
+    def token_audio(self, token: str, seconds: float) -> None:
+        """A stream of ``token`` (one with usage limits) ended, having sent ``seconds`` of audio."""
+        self._m["TOKEN_AUDIO"].labels(token).inc(seconds)
 
     def token_session(self, token: str, opened: bool) -> None:
         """A session of ``token`` opened (or, ``opened=False``, ended)."""

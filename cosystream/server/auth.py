@@ -2,8 +2,11 @@
 
 The file, one token a line (``#`` starts a comment)::
 
-    NAME TOKEN [max_sessions=N] [priorities=REALTIME,BATCH] [admin]
+    NAME TOKEN [max_sessions=N] [max_audio_s_per_min=S] [max_audio_s_per_day=S] [priorities=REALTIME,BATCH] [admin]
     NAME sha256:HEX [...]            # the token's SHA-256 instead of the token: no secret in the file
+
+``max_audio_s_per_min`` / ``max_audio_s_per_day``: seconds of audio the token's sessions may send together
+in any 60 s, and on one UTC day, counted across the server's frontends (``cosystream.server.usage``).
 
 Clients send ``authorization: Bearer TOKEN`` (Google's clients may send ``x-goog-api-key: TOKEN``). The
 presented token is hashed and compared with every entry's digest by ``hmac.compare_digest``, so plain and
@@ -26,6 +29,7 @@ import hashlib
 import hmac
 import inspect
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -33,8 +37,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from cosystream.server.usage import NO_LIMITS, UsageLimits
+
 log = logging.getLogger(__name__)
 
+AUDIO_LIMITS = ("max_audio_s_per_min", "max_audio_s_per_day")
 PRIORITY_NAMES = ("REALTIME", "BATCH")
 """The values of ``priorities=`` (cosystream.v1 Priority names; an unspecified priority is REALTIME)."""
 MIN_TOKEN_CHARS = 16
@@ -57,6 +64,7 @@ class Token:
     max_sessions: int | None = None
     priorities: frozenset[str] | None = None
     admin: bool = False
+    usage: UsageLimits = NO_LIMITS  # audio seconds per minute and per day (none: not counted)
 
     def allows(self, priority: str) -> bool:
         return self.priorities is None or priority in self.priorities
@@ -81,7 +89,9 @@ def parse_tokens(text: str, source: str = "tokens") -> tuple[Token, ...]:
             continue
         where = f"{source}:{number}"
         if len(fields) < 2:
-            raise TokenFileError(f"{where}: expected 'NAME TOKEN [max_sessions=N] [priorities=...] [admin]'")
+            raise TokenFileError(
+                f"{where}: expected 'NAME TOKEN [max_sessions=N] [max_audio_s_per_min=S] [max_audio_s_per_day=S] [priorities=...] [admin]'"
+            )
         name, secret, *options = fields
         if not NAME_PATTERN.fullmatch(name):
             raise TokenFileError(
@@ -127,6 +137,14 @@ def _options(name: str, digest: bytes, options: list[str], where: str) -> Token:
             if not value.isdigit() or int(value) < 1:
                 raise TokenFileError(f"{where}: max_sessions={value}: give a whole number >= 1")
             values["max_sessions"] = int(value)
+        elif key in AUDIO_LIMITS and equals:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = math.nan
+            if not 0 < seconds < math.inf:
+                raise TokenFileError(f"{where}: {key}={value}: give a number of seconds > 0")
+            values[key] = seconds
         elif key == "priorities" and equals:
             chosen = frozenset(p.strip().upper() for p in value.split(",") if p.strip())
             unknown = sorted(chosen - set(PRIORITY_NAMES))
@@ -137,9 +155,11 @@ def _options(name: str, digest: bytes, options: list[str], where: str) -> Token:
             values["priorities"] = chosen
         else:
             raise TokenFileError(
-                f"{where}: unknown option {option!r} (max_sessions=N, priorities=REALTIME,BATCH, admin)"
+                f"{where}: unknown option {option!r} (max_sessions=N, max_audio_s_per_min=S, "
+                "max_audio_s_per_day=S, priorities=REALTIME,BATCH, admin)"
             )
-    return Token(name, digest, **values)
+    usage = UsageLimits(values.pop(AUDIO_LIMITS[0], None), values.pop(AUDIO_LIMITS[1], None))
+    return Token(name, digest, usage=usage, **values)
 
 
 def load_tokens(path: str) -> tuple[Token, ...]:

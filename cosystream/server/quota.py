@@ -14,6 +14,9 @@ that signs them (each secret is good for one connection, which may reach any fro
 WebSockets. Each row names the token's digest (its hashed entry, not its name: a name given a new value
 is a new owner), so a per-token limit is one vector compare under the lock, and no token can fill a table
 that the others need.
+
+It also holds the audio each token name has sent, for its per-minute and per-day limits
+(:mod:`cosystream.server.usage`); the supervisor keeps it across frontend restarts and token reloads.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from cosystream.server.usage import Lease, UsageLimits, UsageTable
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +152,7 @@ class TokenSessions:
         self._secrets_raw[:] = os.urandom(32)
         self._secrets = OwnedRows(context, SECRET_SLOTS)
         self._websockets = OwnedRows(context, WEBSOCKET_SLOTS)
+        self._usage = UsageTable(context)
         self.frontends = frontends
         self.row = 0
         self._views()
@@ -157,7 +163,17 @@ class TokenSessions:
         self._slot_of: dict[bytes, int] = {}  # this process's guesses, checked under the lock
         self._unlocked = False
 
-    _SHARED = ("_lock", "_names_raw", "_counts_raw", "_secrets_raw", "_secrets", "_websockets", "frontends", "row")
+    _SHARED = (
+        "_lock",
+        "_names_raw",
+        "_counts_raw",
+        "_secrets_raw",
+        "_secrets",
+        "_websockets",
+        "_usage",
+        "frontends",
+        "row",
+    )
 
     def __getstate__(self):
         return tuple(getattr(self, name) for name in self._SHARED)
@@ -222,6 +238,24 @@ class TokenSessions:
                 )
             self._counts[self.row, slot] += 1
         return Claim(self, slot)
+
+    def audio_lease(self, name: str, limits: UsageLimits) -> Lease:
+        """A stream's audio counted against ``name``'s ``limits`` (:mod:`cosystream.server.usage`)."""
+
+        def reserve(want_s: float, debt_s: float, now: float) -> float:
+            with self._locked():
+                return self._usage.reserve(name, limits, want_s, debt_s, now)
+
+        def give_back(seconds: float, reserved_at: float, now: float) -> None:
+            with self._locked():
+                self._usage.give_back(name, seconds, reserved_at, now)
+
+        return Lease(reserve, give_back)
+
+    def audio_used(self, name: str, now: float) -> tuple[float, float]:
+        """Audio seconds ``name`` used in the last 60 s and today (UTC), on every frontend."""
+        with self._locked():
+            return self._usage.used(name, now)
 
     def open_sessions(self, name: str) -> int:
         """Sessions of ``name`` open now, on every frontend."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,7 +42,9 @@ from cosystream.server.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, Fi
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
+from cosystream.server.retry import retry_metadata
 from cosystream.server.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
+from cosystream.server.usage import Lease, UsageExceeded
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
@@ -164,6 +167,7 @@ def model_message(model: ModelInfo, is_default: bool) -> pb.ModelInfo:
 class _Abort:
     code: grpc.StatusCode
     message: str
+    retry_after_s: float | None = None  # a temporary refusal: when to retry (RetryInfo)
 
 
 _DONE = object()
@@ -172,16 +176,36 @@ _DONE = object()
 class _Refused(Exception):
     """A stream refused before it has a session: its status, and the metrics' reject reason (None: none)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str | None = "invalid_argument"):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str | None = "invalid_argument",
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
-        self.code, self.message, self.reason = code, message, reason
+        self.code, self.message, self.reason, self.retry_after_s = code, message, reason, retry_after_s
 
 
-def _status_response(session_id: str, code: grpc.StatusCode, message: str) -> pb.StreamingRecognizeResponse:
+def _status_response(
+    session_id: str, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+) -> pb.StreamingRecognizeResponse:
     """A stream's error status as its last response (grpcio's asyncio client can lose the status itself)."""
+    delay_ms = 0 if retry_after_s is None else math.ceil(retry_after_s * 1000)
     return pb.StreamingRecognizeResponse(
-        session_id=session_id, error=pb.StreamError(code=code.value[0], message=message)
+        session_id=session_id,
+        error=pb.StreamError(code=code.value[0], message=message, retry_delay_ms=delay_ms),
     )
+
+
+def _last_response(session_id: str, refusal: _Abort | _Refused) -> pb.StreamingRecognizeResponse:
+    return _status_response(session_id, refusal.code, refusal.message, refusal.retry_after_s)
+
+
+async def _abort(context, refusal: _Abort | _Refused) -> None:
+    """End the stream with ``refusal``'s status (with a RetryInfo when it says when to retry)."""
+    code, message = refusal.code, refusal.message
+    await context.abort(code, message, retry_metadata(code, message, refusal.retry_after_s))
 
 
 class StreamState(IntEnum):
@@ -240,6 +264,7 @@ class _Stream:
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
         self.token = current_token()  # who opened it (None: authentication is off)
         self.quota: Claim | None = None  # while set, the stream is counted in its token's quota and gauge
+        self.audio: Lease | None = None  # while set, its audio is counted against its token's usage limits
         self._force: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.last_request_s = time.monotonic()
@@ -302,12 +327,12 @@ class _Stream:
             self.session.finish()
             self._check_done()
 
-    def cut(self, code: grpc.StatusCode, message: str) -> None:
+    def cut(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         """The server ends the stream: stop reading, flush the audio received, send its final, then end
         with ``code`` (not OK: the client had more to send)."""
         if self.state != StreamState.STREAMING:
             return
-        self.end_status = _Abort(code, message)
+        self.end_status = _Abort(code, message, retry_after_s)
         if self.reader is not None:
             self.reader.cancel()
         self.progress.set()
@@ -327,14 +352,46 @@ class _Stream:
         self._watch_idle()
 
     def claim_quota(self) -> None:
-        """Count this stream against its token's ``max_sessions`` (``release`` gives it back); raises
-        :class:`_Refused` (RESOURCE_EXHAUSTED) when the token has them all open."""
-        if self.token is not None:
+        """Count this stream against its token's ``max_sessions`` and audio limits (``release`` gives them
+        back); raises :class:`_Refused` (RESOURCE_EXHAUSTED) when the token has its sessions all open, or
+        has used its audio: a REALTIME stream for the minute or the day, a BATCH stream for the day (for the
+        minute it is accepted and waits)."""
+        token = self.token
+        if token is None:
+            return
+        try:
+            self.quota = self.servicer.token_sessions.claim(token.name, token.max_sessions)
+        except QuotaExceeded as err:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "quota") from None
+        self.servicer.metrics.token_session(token.name, opened=True)
+        if token.usage.limited:
+            self.audio = self.servicer.token_sessions.audio_lease(token.name, token.usage)
             try:
-                self.quota = self.servicer.token_sessions.claim(self.token.name, self.token.max_sessions)
-            except QuotaExceeded as err:
-                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "quota") from None
-            self.servicer.metrics.token_session(self.token.name, opened=True)
+                self.audio.ensure()
+            except UsageExceeded as err:
+                if self.priority == Priority.REALTIME or err.per == "day":
+                    raise _Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "usage_quota", err.retry_after_s
+                    ) from None
+
+    async def _audio_allowed(self) -> bool:
+        """Whether the token may send more audio now (its usage limits). A REALTIME stream past its token's
+        minute, and any stream past its day, is cut (its final, then RESOURCE_EXHAUSTED with when to retry);
+        a BATCH stream past the minute waits for it (nothing is read meanwhile, nothing is lost)."""
+        audio = self.audio
+        while True:
+            try:
+                audio.ensure()
+                return True
+            except UsageExceeded as err:
+                if self.priority == Priority.REALTIME or err.per == "day":
+                    self.servicer.metrics.rejected("usage_quota", self.token.name)
+                    self.cut(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), err.retry_after_s)
+                    return False
+                await asyncio.sleep(min(max(err.retry_after_s, 0.05), 1.0))
+                self.last_request_s = time.monotonic()  # (the server's wait, not the client's idleness)
+                if self.state != StreamState.STREAMING:
+                    return False
 
     def release(self) -> None:
         """Every exit path: stop reading, stop the timer, free the engine slot and the token's quota.
@@ -344,6 +401,10 @@ class _Stream:
             self.quota.release()
             self.quota = None
             self.servicer.metrics.token_session(self.token.name, opened=False)
+        if self.audio is not None:
+            self.audio.close()
+            self.servicer.metrics.token_audio(self.token.name, self.audio.spent_s)
+            self.audio = None
         if self.reader is not None:
             self.reader.cancel()
         for timer in (self.idle_timer, self._force):
@@ -389,9 +450,14 @@ class _Stream:
                             await asyncio.sleep(0)  # other sessions run between the slices of a big chunk
                             if self.state != StreamState.STREAMING:
                                 return
+                        if self.audio is not None and not await self._audio_allowed():
+                            return
+                        heard = session.audio_samples
                         wait_s = session.feed_audio(
                             audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s
                         )
+                        if self.audio is not None:
+                            self.audio.spend((session.audio_samples - heard) / SAMPLE_RATE_HZ)
                         while session.backlog_frames > limit and self.state < StreamState.ENDED:
                             self.progress.clear()
                             await self.progress.wait()
@@ -514,8 +580,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             if refused.reason:
                 token = current_token()
                 self.metrics.rejected(refused.reason, None if token is None else token.name)
-            yield _status_response("", refused.code, refused.message)
-            await context.abort(refused.code, refused.message)
+            yield _last_response("", refused)
+            await _abort(context, refused)
 
         stream = _Stream(self, config)  # no side effects until the try below owns it
         outcome = "ok"
@@ -543,14 +609,14 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 if isinstance(item, _Abort):
                     outcome = item.code.name
                     # The status, also as a last response (some clients can lose the status itself).
-                    yield _status_response(stream.session_id, item.code, item.message)
-                    await context.abort(item.code, item.message)
+                    yield _last_response(stream.session_id, item)
+                    await _abort(context, item)
                 yield item
-        except _Refused as refused:  # by the token's quota
+        except _Refused as refused:  # by the token's quotas
             outcome = refused.code.name
             self.metrics.rejected(refused.reason, stream.token.name)
-            yield _status_response(stream.session_id, refused.code, refused.message)
-            await context.abort(refused.code, refused.message)
+            yield _last_response(stream.session_id, refused)
+            await _abort(context, refused)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

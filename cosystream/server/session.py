@@ -194,6 +194,7 @@ class Session:
         self._actions: deque[tuple] = deque()
         self._queued_frames = 0  # frames in _actions, not yet sent
         self._forwarded_frames = 0  # over the stream: frames decided for the engine (what pacing counts)
+        self.audio_samples = 0  # over the stream: samples received, at 16 kHz (what usage quotas count)
         self._utterance: _Utterance | None = None
         self._utterances = 0
         self._arrivals: deque[tuple[int, float]] = deque()  # (frames sent up to, receive time) per send
@@ -225,6 +226,7 @@ class Session:
         its burst."""
         forwarded = self._forwarded_frames
         samples = self._resampler.process(self._pcm.decode(chunk))  # a new array: the framer may keep views
+        self.audio_samples += len(samples)
         self._frames(self._framer.push(samples, owned=True), received_s)
         self._pump()
         if self.pacer is None:

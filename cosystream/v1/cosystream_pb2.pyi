@@ -126,12 +126,14 @@ class StreamingRecognizeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "retry_delay_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_delay_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_delay_ms: _Optional[int] = ...) -> None: ...
 
 class StreamingResult(_message.Message):
     __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence", "model", "model_version", "final_pass")

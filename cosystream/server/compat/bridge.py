@@ -32,6 +32,7 @@ from cosystream.audio.codecs import (
     AudioEncoding,
 )
 from cosystream.audio.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
+from cosystream.server.retry import retry_metadata
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -44,12 +45,17 @@ DEFAULT_RATE_HZ = 16000  # only for a stream that ends before any audio, so that
 
 
 class CompatError(Exception):
-    """A foreign request the adapter refuses; ends the stream with ``code``."""
+    """A foreign request the adapter refuses; ends the stream with ``code`` (``retry_after_s``: a temporary
+    refusal's delay, sent as a RetryInfo)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+
+    def trailing_metadata(self) -> tuple:
+        return retry_metadata(self.code, self.message, self.retry_after_s)
 
 
 class AbortGuard:
@@ -370,7 +376,7 @@ class StreamAdapter:
         except CompatError as err:
             log.debug("%s refused: %s %s", type(self).__name__, err.code.name, err.message)
             self.servicer.metrics.rejected(_REJECTED.get(err.code, "invalid_argument"))
-            await guard.abort(err.code, err.message)
+            await guard.abort(err.code, err.message, err.trailing_metadata())
         if translation.separate_channels and audio_format.channels > 1:
             async for foreign in self._per_channel(audio, audio_format, translation, guard):
                 yield foreign

@@ -110,7 +110,7 @@ class GoogleFileAdapter(GoogleSpeechAdapter):
             )
             finals = await recognize(self.servicer, job.audio, job.native, current_token())
         except CompatError as err:
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         response = RecognizeResponse()
         job.fill(response, finals)
         return response
@@ -124,7 +124,7 @@ class GoogleFileAdapter(GoogleSpeechAdapter):
             admitted = asyncio.Event()
             entry = self.operations.start(LongMetadata(), lambda metadata: self._run(job, metadata, admitted))
         except CompatError as err:
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         waiter = asyncio.get_running_loop().create_task(admitted.wait())
         try:
             await asyncio.wait((waiter, entry.task), return_when=asyncio.FIRST_COMPLETED)

@@ -34,6 +34,7 @@ from google.rpc import code_pb2
 
 from cosystream.server.auth import current_token
 from cosystream.server.compat.bridge import CompatError
+from cosystream.server.retry import rich_status
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class OperationStore:
         try:
             operation.response.Pack(await run(entry.metadata))
         except CompatError as err:
-            operation.error.code, operation.error.message = err.code.value[0], err.message
+            operation.error.CopyFrom(rich_status(err.code, err.message, err.retry_after_s))
         except asyncio.CancelledError:
             operation.error.code, operation.error.message = code_pb2.CANCELLED, "the operation was cancelled"
         except Exception:

@@ -173,7 +173,7 @@ class RivaAsrAdapter(StreamAdapter):
                 raise
             finals = await recognize(self.servicer, audio, native, current_token())
         except CompatError as err:
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
         response = rasr.RecognizeResponse()
         if request.HasField("id"):
             response.id.CopyFrom(request.id)

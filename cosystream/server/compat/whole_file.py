@@ -149,7 +149,7 @@ async def recognize(
                         on_final(result)
     except StreamEnded as ended:
         if ended.code != grpc.StatusCode.OK:
-            raise CompatError(ended.code, ended.message) from None
+            raise CompatError(ended.code, ended.message, ended.retry_after_s) from None
     finally:
         feeder.cancel()
         if watcher is not None:

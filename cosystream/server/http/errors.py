@@ -8,6 +8,8 @@ handles ours the same way.
 
 from __future__ import annotations
 
+import math
+
 import grpc
 from aiohttp import web
 
@@ -38,20 +40,36 @@ def error_body(message: str, status: int, code: str | None = None, param: str | 
 class ApiError(Exception):
     """An error response in OpenAI's shape: raise it from a handler (the app's middleware answers it)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.code, self.param)
 
     def response(self, headers: dict | None = None) -> web.Response:
+        """The JSON error; a temporary refusal says when to retry in ``Retry-After`` (whole seconds) and
+        ``retry-after-ms``, both of which OpenAI's SDKs honour."""
+        if self.retry_after_s is not None:
+            headers = {
+                **(headers or {}),
+                "Retry-After": str(math.ceil(self.retry_after_s)),
+                "retry-after-ms": str(math.ceil(self.retry_after_s * 1000)),
+            }
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
-def from_status(code: grpc.StatusCode, message: str) -> ApiError:
-    """The HTTP error for a native stream's status."""
-    return ApiError(HTTP_STATUS.get(code, 500), message, code.name.lower())
+def from_status(code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> ApiError:
+    """The HTTP error for a native stream's status (``retry_after_s``: a temporary refusal's delay)."""
+    return ApiError(HTTP_STATUS.get(code, 500), message, code.name.lower(), retry_after_s=retry_after_s)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 
 from cosystream.server.auth import Token, use_token
+from cosystream.server.retry import retry_after_s
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -27,12 +28,14 @@ _HALF_CLOSE = object()
 
 
 class StreamEnded(Exception):
-    """A native stream's end: its status ``code`` (OK: everything sent was transcribed) and message."""
+    """A native stream's end: its status ``code`` (OK: everything sent was transcribed) and message;
+    ``retry_after_s``: a temporary refusal's delay (a token's audio quota), else None."""
 
-    def __init__(self, code: grpc.StatusCode, message: str = ""):
+    def __init__(self, code: grpc.StatusCode, message: str = "", retry_after_s: float | None = None):
         super().__init__(f"{code.name}: {message}" if message else code.name)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class _Context:
@@ -44,7 +47,7 @@ class _Context:
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         self.answered.set()
-        raise StreamEnded(code, details)
+        raise StreamEnded(code, details, retry_after_s(trailing_metadata))
 
     async def send_initial_metadata(self, metadata) -> None:
         self.session_id = dict(metadata).get("cosystream-session-id", "")

@@ -209,7 +209,7 @@ async def _finals(stream: NativeStream, feeder: asyncio.Task):
                     yield result
     except StreamEnded as ended:
         if ended.code.name != "OK":
-            raise from_status(ended.code, ended.message) from None
+            raise from_status(ended.code, ended.message, ended.retry_after_s) from None
     if feeder.done() and not feeder.cancelled() and (err := feeder.exception()) is not None:
         if isinstance(err, UndecodableAudio):
             raise ApiError(400, f"file: {err}", "invalid_audio", "file") from None
