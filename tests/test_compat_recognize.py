@@ -16,7 +16,7 @@ import soundfile
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import HeldStream, local_server, local_server_with
-from tests.speech import encode, needs_espeak, silence, speech
+from tests.speech import closer_to, encode, needs_espeak, silence, speech, two_speakers
 from tests.test_http import heard
 
 speech_v1 = pytest.importorskip("google.cloud.speech_v1", reason="needs google-cloud-speech (the compat extra)")
@@ -311,3 +311,74 @@ def test_the_store_is_bounded_in_count_and_time():
         assert len(store) == 1
 
     asyncio.run(scenario())
+
+
+# --- separate recognition per channel ------------------------------------------------------------------
+
+
+def _by_channel(results) -> dict[int, list[str]]:
+    finals: dict[int, list[str]] = {}
+    for result in results:
+        finals.setdefault(result.channel_tag, []).append(result.alternatives[0].transcript)
+    return finals
+
+
+@pytest.fixture(scope="module")
+def two_sessions_client(server):
+    client, channel = speech_client(server, OTHER_TOKEN)  # (no max_sessions: two channels, two sessions)
+    yield client
+    channel.close()
+
+
+@pytest.mark.parametrize("encoding", ["LINEAR16", "MULAW"])
+def test_recognize_two_channels_each_its_own_session(client, two_sessions_client, server, encoding):
+    """A two-speaker file: each channel's results tagged 1 or 2 with its own sentence (mixed, both
+    sentences would overlap in one), in the order they end."""
+    data = two_speakers(SENTENCE, OTHER, encoding=encoding)
+    per_channel = config(
+        encoding=getattr(Encoding, encoding), audio_channel_count=2, enable_separate_recognition_per_channel=True
+    )
+    with pytest.raises(exceptions.ResourceExhausted, match="max_sessions=1"):
+        client.recognize(config=per_channel, audio=audio(data))  # each channel is a session of the token's
+    wait_no_sessions(server)
+    response = two_sessions_client.recognize(config=per_channel, audio=audio(data))
+    results = type(response).pb(response).results
+    finals = _by_channel(results)
+    assert set(finals) == {1, 2}, results
+    assert closer_to(" ".join(finals[1]), [SENTENCE, OTHER]) == SENTENCE, finals
+    assert closer_to(" ".join(finals[2]), [SENTENCE, OTHER]) == OTHER, finals
+    ends = [r.result_end_time.ToTimedelta() for r in results]
+    assert ends == sorted(ends)
+    wait_no_sessions(server)
+
+
+def test_long_running_recognize_a_stereo_flac_file_per_channel(two_sessions_client, server):
+    client = two_sessions_client
+    stereo = np.frombuffer(two_speakers(SENTENCE, OTHER), "<i2").reshape(-1, 2)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, stereo, 16000, format="FLAC")
+    operation = client.long_running_recognize(
+        config=config(
+            encoding=Encoding.FLAC, rate_hz=0, audio_channel_count=2, enable_separate_recognition_per_channel=True
+        ),
+        audio=audio(buffer.getvalue()),
+    )
+    response = operation.result(timeout=60)
+    finals = _by_channel(type(response).pb(response).results)
+    assert closer_to(" ".join(finals[1]), [SENTENCE, OTHER]) == SENTENCE, finals
+    assert closer_to(" ".join(finals[2]), [SENTENCE, OTHER]) == OTHER, finals
+    mixed = client.recognize(config=config(encoding=Encoding.FLAC, rate_hz=0), audio=audio(buffer.getvalue()))
+    assert {r.channel_tag for r in type(mixed).pb(mixed).results} == {0}, "without it the channels are mixed"
+    with pytest.raises(
+        exceptions.InvalidArgument, match=r"audio_channel_count=3 does not match the FLAC header \(2\)"
+    ):
+        client.recognize(
+            config=config(
+                encoding=Encoding.FLAC,
+                rate_hz=0,
+                audio_channel_count=3,
+                enable_separate_recognition_per_channel=True,
+            ),
+            audio=audio(buffer.getvalue()),
+        )
+    wait_no_sessions(server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import struct
+import time
 import wave
 
 import grpc
@@ -260,6 +261,21 @@ def test_offline_recognize_a_wav_file_as_riva_s_file_client_sends_it(asr, tmp_pa
     riva_client.add_audio_file_specs_to_config(config, path)
     response = asr.offline_recognize(path.read_bytes(), config)
     assert len(response.results) == 1 and response.results[0].alternatives[0].transcript, response
+
+
+@needs_espeak
+def test_offline_recognize_per_channel(asr, server):
+    config = offline_config(audio_channel_count=2, enable_separate_recognition_per_channel=True)
+    response = asr.offline_recognize(two_speakers(SENTENCE, OTHER), config)
+    finals: dict[int, list[str]] = {}
+    for result in response.results:
+        finals.setdefault(result.channel_tag, []).append(result.alternatives[0].transcript)
+    assert closer_to(" ".join(finals[1]), [SENTENCE, OTHER]) == SENTENCE, finals
+    assert closer_to(" ".join(finals[2]), [SENTENCE, OTHER]) == OTHER, finals
+    deadline = time.monotonic() + 10
+    while active_sessions(server) and time.monotonic() < deadline:  # (the engine announces its count)
+        time.sleep(0.05)
+    assert active_sessions(server) == 0
 
 
 @pytest.mark.parametrize(

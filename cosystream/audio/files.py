@@ -59,11 +59,15 @@ class AudioFile:
         self.info = info
         self._wav = wav  # (format, offset of the first sample): read by the WAV parser, not libsndfile
 
-    def blocks(self, frames: int = BLOCK_FRAMES) -> Iterator[np.ndarray]:
-        """The audio as mono int16 arrays of up to ``frames`` samples each (channels averaged); no more than
-        the header's length, whatever the body holds."""
+    def blocks(self, frames: int = BLOCK_FRAMES, channel: int | None = None) -> Iterator[np.ndarray]:
+        """The audio as mono int16 arrays of up to ``frames`` samples each: the channels averaged, or only
+        ``channel`` (0-based) of them; no more than the header's length, whatever the body holds."""
+        if channel is not None and not 0 <= channel < self.info.channels:
+            raise ValueError(f"channel {channel} of a {self.info.channels}-channel file")
         left = self.info.frames
-        chunks = self._soundfile_blocks(frames) if self._wav is None else self._wav_blocks(frames)
+        chunks = (
+            self._soundfile_blocks(frames, channel) if self._wav is None else self._wav_blocks(frames, channel)
+        )
         for block in chunks:
             if left <= 0:
                 break
@@ -76,18 +80,18 @@ class AudioFile:
         """The whole file as one mono int16 array."""
         return np.concatenate([*self.blocks(), np.zeros(0, np.int16)])
 
-    def _soundfile_blocks(self, frames: int) -> Iterator[np.ndarray]:
+    def _soundfile_blocks(self, frames: int, channel: int | None) -> Iterator[np.ndarray]:
         import soundfile
 
         try:
             with soundfile.SoundFile(io.BytesIO(self._data)) as f:
                 # float32, then int16 here: libsndfile reads a float file as int16 unscaled (every sample 0 or +-1)
                 for block in f.blocks(blocksize=frames, dtype="float32", always_2d=True):
-                    yield _mono(block)
+                    yield _mono(block if channel is None else block[:, channel : channel + 1])
         except (soundfile.LibsndfileError, RuntimeError) as err:
             raise UndecodableAudio(f"the {self.info.container} audio is damaged: {_reason(err)}") from None
 
-    def _wav_blocks(self, frames: int) -> Iterator[np.ndarray]:
+    def _wav_blocks(self, frames: int, channel: int | None) -> Iterator[np.ndarray]:
         wav, offset = self._wav
         width = (2 if wav.encoding == AudioEncoding.LINEAR16 else 1) * wav.channels
         decoder = PcmDecoder(wav.encoding)
@@ -95,7 +99,8 @@ class AudioFile:
             body = self._data[start : start + frames * width]
             samples = decoder.decode(body[: len(body) - len(body) % width])
             if wav.channels > 1:
-                samples = samples.reshape(-1, wav.channels).mean(axis=1)
+                by_channel = samples.reshape(-1, wav.channels)
+                samples = by_channel.mean(axis=1) if channel is None else by_channel[:, channel]
             yield np.clip(np.round(samples * 32768), -32768, 32767).astype(np.int16)
 
 

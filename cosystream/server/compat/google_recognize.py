@@ -39,7 +39,13 @@ from cosystream.server.compat.google_speech import (
 )
 from cosystream.server.compat.operations import SERVICE_NAME as OPERATIONS_SERVICE
 from cosystream.server.compat.operations import OperationStore
-from cosystream.server.compat.whole_file import FileAudio, FileLimits, open_content, recognize
+from cosystream.server.compat.whole_file import (
+    FileAudio,
+    FileLimits,
+    open_content,
+    recognize,
+    recognize_channels,
+)
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -74,11 +80,21 @@ class _Job:
         self.word_time_offsets = config.enable_word_time_offsets
         self.word_confidence = config.enable_word_confidence
         self.language = (config.language_code or "en-US").lower()
+        self.separate_channels = config.enable_separate_recognition_per_channel and self.audio.channels > 1
 
-    def fill(self, response, finals: list[pb.StreamingResult]) -> None:
+    async def run(
+        self, servicer: CosyStreamServicer, admitted=None, on_final=None
+    ) -> list[tuple[int, pb.StreamingResult]]:
+        """The finals as ``(channel_tag, final)``: channel_tag 0 for the channels mixed, else 1..N."""
+        if self.separate_channels:
+            return await recognize_channels(servicer, self.audio, self.native, current_token(), admitted, on_final)
+        finals = await recognize(servicer, self.audio, self.native, current_token(), admitted, on_final)
+        return [(0, final) for final in finals]
+
+    def fill(self, response, finals: list[tuple[int, pb.StreamingResult]]) -> None:
         """``results`` and ``total_billed_time`` of a (LongRunning)RecognizeResponse."""
-        for native in finals:
-            result = response.results.add(language_code=self.language)
+        for channel_tag, native in finals:
+            result = response.results.add(language_code=self.language, channel_tag=channel_tag)
             result.result_end_time.FromMilliseconds(native.end_ms)
             alternative = result.alternatives.add(transcript=native.transcript)
             fill_final(alternative, native, self.word_time_offsets, self.word_confidence)
@@ -108,7 +124,7 @@ class GoogleFileAdapter(GoogleSpeechAdapter):
                 limit_s,
                 f"Sync input too long: Recognize takes up to {limit_s:g} s; use LongRunningRecognize",
             )
-            finals = await recognize(self.servicer, job.audio, job.native, current_token())
+            finals = await job.run(self.servicer)
         except CompatError as err:
             await context.abort(err.code, err.message, err.trailing_metadata())
         response = RecognizeResponse()
@@ -149,7 +165,7 @@ class GoogleFileAdapter(GoogleSpeechAdapter):
             metadata.progress_percent = min(99, int(final.end_ms * 100 / duration_ms))
             metadata.last_update_time.FromNanoseconds(time.time_ns())
 
-        finals = await recognize(self.servicer, job.audio, job.native, current_token(), admitted, progress)
+        finals = await job.run(self.servicer, admitted, progress)
         metadata.progress_percent = 100
         metadata.last_update_time.GetCurrentTime()
         response = LongResponse()

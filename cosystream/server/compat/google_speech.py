@@ -9,7 +9,7 @@ Mapping decisions (docs/COMPAT.md has the user-facing list):
     the stream with a status, as Google's service does);
   * SPEECH_ACTIVITY_BEGIN / END only with ``enable_voice_activity_events``, with ``speech_event_time``;
   * ``enable_separate_recognition_per_channel`` with ``audio_channel_count`` N > 1: a native session per
-    channel, results tagged ``channel_tag`` 1..N (streaming only; a whole file's channels are mixed);
+    channel, results tagged ``channel_tag`` 1..N (streams and whole files alike);
   * ``single_utterance``: at the first utterance's end, END_OF_SINGLE_UTTERANCE, then its final, then
     the stream ends with OK (audio sent after the event is not recognized);
   * finals carry ``confidence`` and, when asked, words (Duration offsets from the start of the stream);
@@ -82,12 +82,6 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         )
     for unsupported in _unhonoured(config):
         raise CompatError(_BAD, f"Invalid recognition 'config': {unsupported} is not supported by this server")
-    if config.enable_separate_recognition_per_channel and files:
-        raise CompatError(
-            _BAD,
-            "Invalid recognition 'config': enable_separate_recognition_per_channel is supported by "
-            "StreamingRecognize only: here the channels of a file are mixed down to one",
-        )
     declared = AudioFormat(
         _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
         config.sample_rate_hertz,

@@ -27,7 +27,7 @@ from cosystream.audio.codecs import AudioEncoding
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.auth import current_token
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
-from cosystream.server.compat.whole_file import FileLimits, open_content, recognize
+from cosystream.server.compat.whole_file import FileLimits, open_content, recognize, recognize_channels
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -80,12 +80,6 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         raise CompatError(_BAD, "profanity_filter is not supported by this server: transcripts are not masked")
     if config.HasField("diarization_config") and config.diarization_config.enable_speaker_diarization:
         raise CompatError(_BAD, "diarization_config.enable_speaker_diarization is not supported: no speaker tags")
-    if config.enable_separate_recognition_per_channel and files:
-        raise CompatError(
-            _BAD,
-            "enable_separate_recognition_per_channel is supported by StreamingRecognize only: the channels of "
-            "an offline Recognize are mixed down to one",
-        )
     declared = AudioFormat(
         _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
         config.sample_rate_hertz,
@@ -171,14 +165,17 @@ class RivaAsrAdapter(StreamAdapter):
             except CompatError:
                 self.servicer.metrics.rejected("invalid_argument")
                 raise
-            finals = await recognize(self.servicer, audio, native, current_token())
+            if request.config.enable_separate_recognition_per_channel and audio.channels > 1:
+                finals = await recognize_channels(self.servicer, audio, native, current_token())
+            else:
+                finals = [(1, final) for final in await recognize(self.servicer, audio, native, current_token())]
         except CompatError as err:
             await context.abort(err.code, err.message, err.trailing_metadata())
         response = rasr.RecognizeResponse()
         if request.HasField("id"):
             response.id.CopyFrom(request.id)
-        for final in finals:
-            result = response.results.add(channel_tag=1, audio_processed=final.end_ms / 1000)
+        for channel_tag, final in finals:
+            result = response.results.add(channel_tag=channel_tag, audio_processed=final.end_ms / 1000)
             fill_alternative(result.alternatives.add(), final)
             result.alternatives[0].language_code.append(LANGUAGE_CODE)
         return response
