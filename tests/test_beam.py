@@ -321,3 +321,24 @@ def test_without_flashlight_text_the_python_search_stands_in(monkeypatch):
     assert isinstance(factory(), BeamCtcDecoder)
     with pytest.raises(ValueError, match="pip install flashlight-text"):
         DecoderConfig("beam", search="flashlight").resolve(None)
+
+
+def test_alternatives_are_the_distinct_n_best_sorted_and_at_most_n(lm):
+    # 'b' a little behind 'c' and 'h' behind the second 't': the beam holds "the cat", "the bat", "the hat"...
+    dec = BeamCtcDecoder(VOCAB, lm)
+    text = decode(dec, "_th_e_|_c_a_t__", rivals={8: ("b", 0.4, 0.5), 4: ("a", 0.3, 0.6)})
+    alternatives = dec.alternatives(3)
+    texts = [a.text for a in alternatives]
+    assert texts[0] == text == "the cat"
+    assert len(texts) == len(set(texts)) and 1 < len(texts) <= 3
+    assert "the bat" in texts
+    confidences = [a.confidence for a in alternatives]
+    assert confidences == sorted(confidences, reverse=True)
+    assert confidences[0] == pytest.approx(dec.confidence)
+    assert len(dec.alternatives(1)) == 1
+
+
+def test_greedy_decoding_has_one_alternative():
+    dec = CtcDecoder(VOCAB)
+    decode(dec, "_th_e_|_c_a_t__")
+    assert [a.text for a in dec.alternatives(5)] == ["the cat"]

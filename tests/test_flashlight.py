@@ -268,3 +268,16 @@ def test_the_default_model_on_speech_and_chunking_does_not_change_the_final():
         assert len(finals) == 1
         assert decoder.text == text
         assert all(w.start_ms < w.end_ms for w in decoder.words())
+
+
+def test_alternatives_are_the_distinct_n_best_sorted_and_at_most_n(lexicon):
+    dec = FlashlightCtcDecoder(VOCAB, lexicon)
+    text = decode(dec, "_th_e_|_c_a_t__", rivals={8: ("b", 0.4, 0.5), 4: ("a", 0.3, 0.6)})
+    alternatives = dec.alternatives(3)
+    texts = [a.text for a in alternatives]
+    assert texts[0] == text == "the cat"
+    assert len(texts) == len(set(texts)) and 1 < len(texts) <= 3
+    assert "the bat" in texts
+    confidences = [a.confidence for a in alternatives]
+    assert confidences == sorted(confidences, reverse=True)
+    assert len(dec.alternatives(1)) == 1

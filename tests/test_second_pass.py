@@ -140,6 +140,20 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
     assert third.result.transcript == "streamed again"
 
 
+def test_a_second_pass_final_has_its_own_transcript_as_its_one_alternative():
+    from cosystream.secondpass.whisper import SecondPassResult
+    from cosystream.server.final_pass import Held
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    result = pb.StreamingResult(transcript="the cat", is_final=True, start_ms=0, end_ms=1000)
+    result.alternatives.add(transcript="the cat", confidence=0.8)
+    result.alternatives.add(transcript="the bat", confidence=0.5)
+    held = Held(result, punctuation=False, audio_start_ms=0, word_times=False)
+    held.answer(SecondPassResult("the hat", 0.0, -0.1, written="The hat."))
+    assert [a.transcript for a in held.result.alternatives] == ["the hat"]
+    assert held.result.alternatives[0].confidence == pytest.approx(held.result.confidence)
+
+
 def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_words():
     from cosystream.secondpass.whisper import SecondPassResult, merge_words
     from cosystream.server.final_pass import Held

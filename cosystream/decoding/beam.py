@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosystream.decoding.greedy import Word
+from cosystream.decoding.greedy import Alternative, Word, ranked_alternatives
 from cosystream.decoding.lexicon import Lexicon
 from cosystream.decoding.lm import NgramLm
 
@@ -134,6 +134,7 @@ class BeamCtcDecoder:
         self._best: _Prefix = root
         self._best_text = ""  # the text of _best, made once per push (interims read it again)
         self._finished: list[Word] | None = None
+        self._scored: list[tuple[float, tuple[Word, ...]]] = []  # every prefix's final score and words
 
     # ------------------------------------------------------------------ search
 
@@ -300,8 +301,14 @@ class BeamCtcDecoder:
 
         From here until :meth:`reset`, :attr:`text` and :meth:`words` describe that hypothesis.
         """
-        _, words = max((self._final(p) for p in self._beams.values()), key=lambda scored: scored[0])
+        self._scored = [self._final(p) for p in self._beams.values()]
+        _, words = max(self._scored, key=lambda scored: scored[0])
         self._finished = list(words)
+
+    def alternatives(self, n: int) -> list[Alternative]:
+        """After :meth:`finalize`: the ``n`` best distinct word sequences of the beam, best first (the first is
+        :attr:`text`); fewer when the beam holds fewer."""
+        return ranked_alternatives(self._scored, self.confidence, n)
 
     @property
     def text(self) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from cosystream.decoding.beam import BeamConfig
-from cosystream.decoding.greedy import Word
+from cosystream.decoding.greedy import Alternative, Word, ranked_alternatives
 from cosystream.decoding.lexicon import HOMOPHONES
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,7 @@ class FlashlightCtcDecoder:
 
     def reset(self) -> None:
         self._decoder.decode_begin()
+        self._hypotheses = []  # finalize(): every final hypothesis, best first
         self._origin = -1  # stream frame of the utterance's first frame (set by the first push)
         self._held = 0  # frames in the decoder's buffer (rows of _emissions)
         self._dropped = 0  # frames pruned away before them
@@ -468,8 +469,19 @@ class FlashlightCtcDecoder:
         self._decoder.decode_step(row.ctypes.data, 1, self._vocab_size)
         self._held += 1
         self._decoder.decode_end()
-        result = self._decoder.get_best_hypothesis(0)
+        self._hypotheses = self._decoder.get_all_final_hypothesis()  # best first
+        result = self._hypotheses[0] if self._hypotheses else self._decoder.get_best_hypothesis(0)
         self._finished = self._committed + self._words_of(result.tokens, result.words)
+
+    def alternatives(self, n: int) -> list[Alternative]:
+        """After :meth:`finalize`: the ``n`` best distinct word sequences of the final hypotheses (which
+        flashlight returns sorted by score), best first; the first is :attr:`text`."""
+        scored = [(0.0, tuple(self._finished or ()))]
+        for h in self._hypotheses[1 : 4 * n]:  # (distinct words are rarer than distinct token paths)
+            scored.append(
+                (h.score - self._hypotheses[0].score, tuple(self._committed + self._words_of(h.tokens, h.words)))
+            )
+        return ranked_alternatives(scored, self.confidence, n)
 
     @property
     def text(self) -> str:

@@ -31,6 +31,43 @@ class Word:
     confidence: float
 
 
+MAX_ALTERNATIVES = 10
+"""The most n-best alternatives a final may ask for (StreamingConfig.max_alternatives)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Alternative:
+    """One of a final's n best word sequences: its words and a 0..1 confidence (best first in a list)."""
+
+    words: tuple[Word, ...]
+    confidence: float
+
+    @property
+    def text(self) -> str:
+        return " ".join(w.word for w in self.words)
+
+
+def ranked_alternatives(
+    scored: list[tuple[float, tuple[Word, ...]]], top_confidence: float, n: int
+) -> list[Alternative]:
+    """The ``n`` best distinct word sequences of ``(score in nats, words)`` pairs, best first. The best gets
+    ``top_confidence``; each other that times ``exp(its score - the best's)``."""
+    seen: set[tuple[str, ...]] = set()
+    out: list[Alternative] = []
+    best = None
+    for score, words in sorted(scored, key=lambda s: -s[0]):
+        key = tuple(w.word for w in words)
+        if key in seen:
+            continue
+        seen.add(key)
+        if best is None:
+            best = score
+        out.append(Alternative(tuple(words), top_confidence * math.exp(min(0.0, score - best))))
+        if len(out) >= n:
+            break
+    return out
+
+
 class CtcDecoder:
     """Greedy CTC decoder for one utterance at a time.
 
@@ -176,6 +213,10 @@ class CtcDecoder:
 
     def finalize(self) -> None:
         """The utterance has ended (greedy output needs no rescoring)."""
+
+    def alternatives(self, n: int) -> list[Alternative]:
+        """After :meth:`finalize`: greedy decoding has one hypothesis, whatever ``n``."""
+        return [Alternative(tuple(self.words()), self.confidence)]
 
     @property
     def text(self) -> str:

@@ -143,6 +143,11 @@ class Held:
                 pb.WordInfo(word=word, start_ms=start, end_ms=end, confidence=result.confidence)
                 for word, start, end in self._timed(answer)
             )
+        if result.alternatives:  # the streaming beam's n-best read other words: the second pass's text alone
+            del result.alternatives[:]
+            result.alternatives.add(transcript=result.transcript, confidence=result.confidence).words.extend(
+                result.words
+            )
 
     def _timed(self, answer: SecondPassResult) -> list[tuple[str, int, int]]:
         """The final's words with their spans (ms in the stream), within the utterance's."""

@@ -30,6 +30,7 @@ from cosystream import __version__
 from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.config import DecoderConfig
+from cosystream.decoding.greedy import MAX_ALTERNATIVES
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
@@ -133,6 +134,10 @@ def validate_config(
             "final_pass 'second_pass': this server runs no second pass (serve --final-model); leave final_pass "
             "empty for the server's choice"
         )
+    if not 0 <= config.max_alternatives <= MAX_ALTERNATIVES:
+        raise ConfigError(
+            f"max_alternatives={config.max_alternatives} is not supported: use 0 to {MAX_ALTERNATIVES}"
+        )
     return SessionConfig(
         encoding=encoding,
         sample_rate_hz=rate,
@@ -143,6 +148,7 @@ def validate_config(
         model=model,
         second_pass=second_pass and config.final_pass != STREAMING,
         punctuation=config.enable_automatic_punctuation,
+        max_alternatives=max(1, config.max_alternatives),
     )
 
 

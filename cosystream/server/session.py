@@ -54,6 +54,7 @@ class SessionConfig:
     model: int = 0  # which of the engine's models (a position in EngineInfo.models when validated)
     second_pass: bool = False  # finals from the server's second pass (it runs one, and the stream did not opt out)
     punctuation: bool = False  # second-pass finals keep its capitals, punctuation and digits
+    max_alternatives: int = 1  # finals carry up to this many n-best alternatives
 
 
 REALTIME_BURST_S = 2.0
@@ -444,6 +445,20 @@ class Session:
                 )
                 for w in self._ctc.words()
             )
+        if is_final and self.config.max_alternatives > 1:
+            delay_ms = self.output_delay_frames * FRAME_MS
+            for alt in self._ctc.alternatives(self.config.max_alternatives):
+                entry = result.alternatives.add(transcript=alt.text, confidence=alt.confidence)
+                if self.config.word_time_offsets:
+                    entry.words.extend(
+                        pb.WordInfo(
+                            word=w.word,
+                            start_ms=max(w.start_ms - delay_ms, 0),
+                            end_ms=max(w.end_ms - delay_ms, 0),
+                            confidence=w.confidence,
+                        )
+                        for w in alt.words
+                    )
         response = pb.StreamingRecognizeResponse(
             results=[result], latency=self._latency(received_s), session_id=self.session_id
         )

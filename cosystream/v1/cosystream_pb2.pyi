@@ -68,7 +68,7 @@ class StreamingRecognizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class StreamingConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation")
+    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StreamingConfig(_message.Message):
     ENABLE_WORD_TIME_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     FINAL_PASS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_AUTOMATIC_PUNCTUATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     encoding: AudioEncoding
     sample_rate_hz: int
     priority: Priority
@@ -87,7 +88,8 @@ class StreamingConfig(_message.Message):
     enable_word_time_offsets: bool
     final_pass: str
     enable_automatic_punctuation: bool
-    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ...) -> None: ...
+    max_alternatives: int
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ...) -> None: ...
 
 class EndpointingConfig(_message.Message):
     __slots__ = ("silence_ms", "max_utterance_ms", "vad_aggressiveness")
@@ -136,7 +138,7 @@ class StreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_delay_ms: _Optional[int] = ...) -> None: ...
 
 class StreamingResult(_message.Message):
-    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence", "model", "model_version", "final_pass")
+    __slots__ = ("transcript", "is_final", "stability", "start_ms", "end_ms", "words", "utterance_index", "confidence", "model", "model_version", "final_pass", "alternatives")
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     IS_FINAL_FIELD_NUMBER: _ClassVar[int]
     STABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class StreamingResult(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINAL_PASS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     transcript: str
     is_final: bool
     stability: float
@@ -159,7 +162,18 @@ class StreamingResult(_message.Message):
     model: str
     model_version: str
     final_pass: str
-    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., final_pass: _Optional[str] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[Alternative]
+    def __init__(self, transcript: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ..., utterance_index: _Optional[int] = ..., confidence: _Optional[float] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., final_pass: _Optional[str] = ..., alternatives: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ...) -> None: ...
+
+class Alternative(_message.Message):
+    __slots__ = ("transcript", "confidence", "words")
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    transcript: str
+    confidence: float
+    words: _containers.RepeatedCompositeFieldContainer[WordInfo]
+    def __init__(self, transcript: _Optional[str] = ..., confidence: _Optional[float] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ...) -> None: ...
 
 class WordInfo(_message.Message):
     __slots__ = ("word", "start_ms", "end_ms", "confidence")

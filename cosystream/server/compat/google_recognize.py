@@ -35,7 +35,7 @@ from cosystream.server.compat.google_speech import (
     Request,
     Response,
     check_config,
-    fill_final,
+    fill_alternatives,
 )
 from cosystream.server.compat.operations import SERVICE_NAME as OPERATIONS_SERVICE
 from cosystream.server.compat.operations import OperationStore
@@ -96,8 +96,7 @@ class _Job:
         for channel_tag, native in finals:
             result = response.results.add(language_code=self.language, channel_tag=channel_tag)
             result.result_end_time.FromMilliseconds(native.end_ms)
-            alternative = result.alternatives.add(transcript=native.transcript)
-            fill_final(alternative, native, self.word_time_offsets, self.word_confidence)
+            fill_alternatives(result, native, self.word_time_offsets, self.word_confidence)
         response.total_billed_time.FromSeconds(math.ceil(self.audio.duration_s))
 
 

@@ -30,6 +30,7 @@ import grpc
 from google.cloud.speech_v1.types import cloud_speech
 
 from cosystream.audio.codecs import AudioEncoding
+from cosystream.decoding.greedy import MAX_ALTERNATIVES
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
 from cosystream.v1 import cosystream_pb2 as pb
@@ -92,14 +93,15 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         enable_word_time_offsets=config.enable_word_time_offsets or config.enable_word_confidence,
         model=info.models[model].name if model else "",
         enable_automatic_punctuation=config.enable_automatic_punctuation,
+        max_alternatives=min(max(config.max_alternatives, 0), MAX_ALTERNATIVES),  # Google: "up to"
     )
     return declared, native
 
 
 def _unhonoured(config) -> list[str]:
     """The fields set in ``config`` that would change what the client gets and that this server cannot
-    honour (docs/COMPAT.md): refused rather than ignored. Hints (``speech_contexts``, ``adaptation``),
-    ``max_alternatives`` (Google returns up to that many), ``use_enhanced`` and ``metadata`` are ignored."""
+        honour (docs/COMPAT.md): refused rather than ignored. Hints (``speech_contexts``, ``adaptation``),
+    ``use_enhanced`` and ``metadata`` are ignored."""
     unhonoured = []
     languages = [code for code in config.alternative_language_codes if code.lower() not in LANGUAGES]
     if languages:
@@ -117,7 +119,15 @@ def _unhonoured(config) -> list[str]:
     return unhonoured
 
 
-def fill_final(alternative, native: pb.StreamingResult, word_time_offsets: bool, word_confidence: bool) -> None:
+def fill_alternatives(result, native: pb.StreamingResult, word_time_offsets: bool, word_confidence: bool) -> None:
+    """A final's alternatives on a Google ``SpeechRecognitionResult``: its n best when the stream asked for
+    more than one (best first, the first the transcript), else the transcript alone."""
+    for entry in native.alternatives or [native]:
+        alternative = result.alternatives.add(transcript=entry.transcript)
+        fill_final(alternative, entry, word_time_offsets, word_confidence)
+
+
+def fill_final(alternative, native, word_time_offsets: bool, word_confidence: bool) -> None:
     """A final's confidence and words on a Google ``SpeechRecognitionAlternative``."""
     alternative.confidence = native.confidence
     for word in native.words:
@@ -181,11 +191,11 @@ class GoogleTranslation(Translation):
                 is_final=native.is_final, language_code=self.language, channel_tag=channel_tag
             )
             result.result_end_time.FromMilliseconds(native.end_ms)
-            alternative = result.alternatives.add(transcript=native.transcript)
             if native.is_final:
-                fill_final(alternative, native, self.word_time_offsets, self.word_confidence)
+                fill_alternatives(result, native, self.word_time_offsets, self.word_confidence)
                 self.done = self.single_utterance
             else:
+                result.alternatives.add(transcript=native.transcript)
                 result.stability = native.stability
             yield out
 

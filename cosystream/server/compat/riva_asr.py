@@ -24,6 +24,7 @@ from riva.client.proto import riva_asr_pb2 as rasr
 from riva.client.proto import riva_audio_pb2 as raudio
 
 from cosystream.audio.codecs import AudioEncoding
+from cosystream.decoding.greedy import MAX_ALTERNATIVES
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.auth import current_token
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
@@ -94,11 +95,19 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         endpointing=endpointing,
         model=config.model,
         enable_automatic_punctuation=config.enable_automatic_punctuation,
+        max_alternatives=min(max(config.max_alternatives, 0), MAX_ALTERNATIVES),  # "up to", as Google
     )
     return declared, native
 
 
-def fill_alternative(alternative, native: pb.StreamingResult) -> None:
+def fill_alternatives(result, native: pb.StreamingResult) -> None:
+    """A result's alternatives on a Riva ``SpeechRecognitionResult``: a final's n best when the stream asked
+    for more than one (best first, the first the transcript), else the transcript alone."""
+    for entry in native.alternatives if native.is_final and native.alternatives else [native]:
+        fill_alternative(result.alternatives.add(), entry)
+
+
+def fill_alternative(alternative, native) -> None:
     """A result's transcript, confidence and words (int32 ms) on a Riva ``SpeechRecognitionAlternative``."""
     alternative.transcript = native.transcript
     alternative.confidence = native.confidence
@@ -133,7 +142,7 @@ class RivaTranslation(Translation):
                 audio_processed=response.latency.audio_processed_ms / 1000,
                 channel_tag=channel_tag or 1,
             )
-            fill_alternative(result.alternatives.add(), native)
+            fill_alternatives(result, native)
             yield out
 
 
@@ -176,8 +185,9 @@ class RivaAsrAdapter(StreamAdapter):
             response.id.CopyFrom(request.id)
         for channel_tag, final in finals:
             result = response.results.add(channel_tag=channel_tag, audio_processed=final.end_ms / 1000)
-            fill_alternative(result.alternatives.add(), final)
-            result.alternatives[0].language_code.append(LANGUAGE_CODE)
+            fill_alternatives(result, final)
+            for alternative in result.alternatives:
+                alternative.language_code.append(LANGUAGE_CODE)
         return response
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
