@@ -435,30 +435,12 @@ class Session:
             final_pass=STREAMING if is_final else "",
         )
         if self.config.word_time_offsets:
-            delay_ms = self.output_delay_frames * FRAME_MS
-            result.words.extend(
-                pb.WordInfo(
-                    word=w.word,
-                    start_ms=max(w.start_ms - delay_ms, 0),
-                    end_ms=max(w.end_ms - delay_ms, 0),
-                    confidence=w.confidence,
-                )
-                for w in self._ctc.words()
-            )
+            result.words.extend(self._word_infos(self._ctc.words()))
         if is_final and self.config.max_alternatives > 1:
-            delay_ms = self.output_delay_frames * FRAME_MS
             for alt in self._ctc.alternatives(self.config.max_alternatives):
                 entry = result.alternatives.add(transcript=alt.text, confidence=alt.confidence)
                 if self.config.word_time_offsets:
-                    entry.words.extend(
-                        pb.WordInfo(
-                            word=w.word,
-                            start_ms=max(w.start_ms - delay_ms, 0),
-                            end_ms=max(w.end_ms - delay_ms, 0),
-                            confidence=w.confidence,
-                        )
-                        for w in alt.words
-                    )
+                    entry.words.extend(self._word_infos(alt.words))
         response = pb.StreamingRecognizeResponse(
             results=[result], latency=self._latency(received_s), session_id=self.session_id
         )
@@ -470,6 +452,19 @@ class Session:
             utterance.first_result_sent = True
             if self.on_first_result is not None:
                 self.on_first_result(self.clock() - utterance.started_s)
+
+    def _word_infos(self, words) -> list[pb.WordInfo]:
+        """Decoded words as results carry them: moved back by the model's output delay."""
+        delay_ms = self.output_delay_frames * FRAME_MS
+        return [
+            pb.WordInfo(
+                word=w.word,
+                start_ms=max(w.start_ms - delay_ms, 0),
+                end_ms=max(w.end_ms - delay_ms, 0),
+                confidence=w.confidence,
+            )
+            for w in words
+        ]
 
     def _final(self, utterance: _Utterance) -> None:
         self._ctc.finalize()
