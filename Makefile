@@ -48,11 +48,12 @@ $(VENV)/bin/python:
 	@$(call logged,creating $(VENV) with the CPU build of torch 2.13,$(LOGS)/install.log, \
 	  $(PYTHON) -m venv $(VENV) && $(PIP) install $(PIP_FLAGS) --upgrade pip && $(PIP) install $(PIP_FLAGS) torch==2.13.0)
 
-# The server with the Google/Riva protocols (compat), what the programs in clients/ need (clients) and the
-# second pass (whisper: faster-whisper and its Whisper model, ~420 MB installed, no torch; docs/MODELS.md).
+# The server with the Google/Riva protocols (compat), what the programs in clients/ need (clients), the
+# second pass (whisper: faster-whisper and its Whisper model, ~420 MB installed, no torch; docs/MODELS.md)
+# and compressed streams (codecs: PyAV, which faster-whisper needs too).
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml Makefile
-	@$(call logged,installing cosystream[compat$(comma)clients$(comma)whisper] into $(VENV),$(LOGS)/install.log, \
-	  $(PIP) install $(PIP_FLAGS) -e '.[compat$(comma)clients$(comma)whisper]')
+	@$(call logged,installing cosystream[compat$(comma)clients$(comma)whisper$(comma)codecs] into $(VENV),$(LOGS)/install.log, \
+	  $(PIP) install $(PIP_FLAGS) -e '.[compat$(comma)clients$(comma)whisper$(comma)codecs]')
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

@@ -61,3 +61,10 @@ def closer_to(text: str, sentences: list[str]) -> str:
     """Which of ``sentences`` ``text`` shares the most words with."""
     words = set(text.lower().split())
     return max(sentences, key=lambda sentence: len(words & set(sentence.split())))
+
+
+def compress(audio: np.ndarray, rate_hz: int, container: str, channels: int = 1) -> bytes:
+    """``audio`` as an Ogg or WebM Opus, or a FLAC file (:func:`benchmarks.codecs.encode_compressed`)."""
+    from benchmarks.codecs import encode_compressed
+
+    return encode_compressed(audio, rate_hz, container, channels)

@@ -241,7 +241,8 @@ def test_a_request_over_the_native_limit_is_accepted(client):
 
 BAD_CONFIGS = [
     ({"language_code": "fr-FR"}, "bad language code"),
-    ({"encoding": Encoding.FLAC}, "FLAC is not supported"),
+    ({"encoding": Encoding.AMR}, "AMR is not supported"),
+    ({"encoding": Encoding.FLAC}, "expected a FLAC stream"),
     ({"rate_hz": 100}, "8000 to 48000"),
     ({"rate_hz": 0}, "sample_rate_hertz is required"),
     ({"encoding": Encoding.ENCODING_UNSPECIFIED}, "no WAV header"),

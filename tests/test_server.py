@@ -277,7 +277,7 @@ def test_server_info(stub):
     info = stub.GetServerInfo(pb.GetServerInfoRequest())
     assert info.max_sessions == MAX_SESSIONS and info.device == "cpu"
     assert info.models[0].vocabulary[0] == "<blank>" and info.models[0].is_default
-    assert set(info.encodings) == {pb.LINEAR16, pb.MULAW, pb.ALAW}
+    assert {pb.LINEAR16, pb.MULAW, pb.ALAW} <= set(info.encodings)  # (and the compressed ones, with PyAV)
     assert (info.min_sample_rate_hz, info.max_sample_rate_hz) == (8000, 48000)
 
 

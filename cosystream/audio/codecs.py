@@ -23,6 +23,9 @@ class AudioEncoding(IntEnum):
     LINEAR16 = 1
     MULAW = 2
     ALAW = 3
+    OGG_OPUS = 4  # compressed (cosystream/audio/streams.py): decoded by their headers
+    FLAC = 5
+    WEBM_OPUS = 6
 
 
 def _mulaw_expand(code: np.ndarray) -> np.ndarray:

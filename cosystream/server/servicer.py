@@ -29,6 +29,7 @@ import grpc
 from cosystream import __version__
 from cosystream.audio.codecs import MAX_INPUT_RATE_HZ, MIN_INPUT_RATE_HZ, AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
+from cosystream.audio.streams import COMPRESSED, OPUS_RATES_HZ, AudioFormatError, codecs_available
 from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
 from cosystream.engine.ipc import EngineInfo, ModelInfo
@@ -89,6 +90,13 @@ class ConfigError(ValueError):
     """A StreamingConfig the server cannot run; the message says what to fix."""
 
 
+def stream_encodings() -> list[AudioEncoding]:
+    """The encodings a stream may declare here: PCM and G.711, and the compressed ones where PyAV is
+    installed (the codecs extra)."""
+    pcm = [AudioEncoding.LINEAR16, AudioEncoding.MULAW, AudioEncoding.ALAW]
+    return pcm + sorted(COMPRESSED) if codecs_available() else pcm
+
+
 FINAL_PASSES = ("", STREAMING, SECOND_PASS)
 
 
@@ -97,12 +105,24 @@ def validate_config(
 ) -> SessionConfig:
     """``second_pass``: whether the server runs one (a stream that asks for it is refused otherwise)."""
     if config.encoding not in AudioEncoding._value2member_map_:
-        raise ConfigError(f"unknown encoding {config.encoding}: use LINEAR16, MULAW or ALAW")
+        raise ConfigError(
+            f"unknown encoding {config.encoding}: use {', '.join(e.name for e in stream_encodings())}"
+        )
     encoding = AudioEncoding(config.encoding or AudioEncoding.LINEAR16)
     rate = config.sample_rate_hz
-    if rate == 0:
+    if encoding in COMPRESSED:
+        if not codecs_available():
+            raise ConfigError(
+                f"encoding {encoding.name}: this server does not decode compressed audio (install the codecs "
+                "extra: pip install 'cosystream[codecs]'); send LINEAR16, MULAW or ALAW"
+            )
+        is_opus = encoding != AudioEncoding.FLAC
+        if is_opus and rate not in (0, *OPUS_RATES_HZ):
+            rates = ", ".join(str(r) for r in OPUS_RATES_HZ)
+            raise ConfigError(f"sample_rate_hz={rate} is not an Opus rate: use 0 (the header's) or {rates}")
+    elif rate == 0:
         raise ConfigError(f"sample_rate_hz is required ({MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ})")
-    if not MIN_INPUT_RATE_HZ <= rate <= MAX_INPUT_RATE_HZ:
+    if rate and not MIN_INPUT_RATE_HZ <= rate <= MAX_INPUT_RATE_HZ:
         raise ConfigError(
             f"sample_rate_hz={rate} is not supported: use {MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ}"
         )
@@ -331,6 +351,8 @@ class _Stream:
         if self.state == StreamState.STREAMING:
             self.state = StreamState.FINISHING
             self.session.finish()
+            if self.session.audio_error and self.end_status is None:
+                self.end_status = _Abort(grpc.StatusCode.INVALID_ARGUMENT, self.session.audio_error)
             self._check_done()
 
     def cut(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
@@ -459,9 +481,15 @@ class _Stream:
                         if self.audio is not None and not await self._audio_allowed():
                             return
                         heard = session.audio_samples
-                        wait_s = session.feed_audio(
-                            audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s
-                        )
+                        try:
+                            wait_s = session.feed_audio(
+                                audio[offset : offset + AUDIO_SLICE_BYTES], self.last_request_s
+                            )
+                        except AudioFormatError as err:
+                            # What decoded before it still gets its final, then the status.
+                            self.servicer.metrics.rejected("invalid_argument")
+                            self.cut(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                            return
                         if self.audio is not None:
                             self.audio.spend((session.audio_samples - heard) / SAMPLE_RATE_HZ)
                         while session.backlog_frames > limit and self.state < StreamState.ENDED:
@@ -640,7 +668,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         return pb.ServerInfo(
             version=__version__,
             models=[model_message(model, is_default=index == 0) for index, model in enumerate(info.models)],
-            encodings=[pb.LINEAR16, pb.MULAW, pb.ALAW],
+            encodings=[int(encoding) for encoding in stream_encodings()],
             min_sample_rate_hz=MIN_INPUT_RATE_HZ,
             max_sample_rate_hz=MAX_INPUT_RATE_HZ,
             max_sessions=info.max_sessions,

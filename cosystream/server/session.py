@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosystream.audio.codecs import AudioEncoding, PcmDecoder
+from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.endpointing import Decision, Endpointer, EndpointingConfig
 from cosystream.audio.framing import Framer, FrameRing
-from cosystream.audio.resample import Resampler
+from cosystream.audio.streams import open_stream_audio
 from cosystream.audio.vad import Vad
 from cosystream.decoding.beam import BeamCtcDecoder
 from cosystream.decoding.greedy import CtcDecoder
@@ -183,11 +183,9 @@ class Session:
         # silence includes that much more, so its last words come out, and word times are moved back by it.
         self.output_delay_frames = output_delay_frames
         self.model_name, self.model_version = model_name, model_version  # named on every result
-        self._pcm = PcmDecoder(config.encoding)
-        self._resampler = Resampler(config.sample_rate_hz)
+        self._audio = open_stream_audio(config.encoding, config.sample_rate_hz)
         self._framer = Framer()
-        # Decoded LINEAR16 and G.711 samples are int16 levels / 32768 until a resampler changes them.
-        self._vad = Vad(config.endpointing.vad_aggressiveness, int16_levels=not self._resampler.resamples)
+        self._vad = Vad(config.endpointing.vad_aggressiveness, int16_levels=self._audio.int16_levels)
         self._endpointer = Endpointer(config.endpointing)
         self._ring = FrameRing(max(1, self._endpointer.max_forward_frames))
         self._interim_backlog_frames = self._endpointer.max_forward_frames + 5
@@ -196,6 +194,7 @@ class Session:
         self._queued_frames = 0  # frames in _actions, not yet sent
         self._forwarded_frames = 0  # over the stream: frames decided for the engine (what pacing counts)
         self.audio_samples = 0  # over the stream: samples received, at 16 kHz (what usage quotas count)
+        self.audio_error = ""  # why the end of a compressed stream did not decode (the stream is not OK)
         self._utterance: _Utterance | None = None
         self._utterances = 0
         self._arrivals: deque[tuple[int, float]] = deque()  # (frames sent up to, receive time) per send
@@ -224,9 +223,10 @@ class Session:
     def feed_audio(self, chunk: bytes, received_s: float) -> float:
         """One audio chunk from the client, received at ``received_s`` (monotonic). Returns how many seconds
         the caller waits before feeding more: 0 but for a paced stream whose speech is ahead of real time past
-        its burst."""
+        its burst. Raises :class:`~cosystream.audio.streams.AudioFormatError` for bytes that are not audio
+        in the stream's encoding (a compressed stream's container or codec)."""
         forwarded = self._forwarded_frames
-        samples = self._resampler.process(self._pcm.decode(chunk))  # a new array: the framer may keep views
+        samples = self._audio.decode(chunk)  # a new array: the framer may keep views
         self.audio_samples += len(samples)
         self._frames(self._framer.push(samples, owned=True), received_s)
         self._pump()
@@ -242,7 +242,12 @@ class Session:
     def finish(self) -> None:
         """Client half-close: flush the audio still buffered, then end the open utterance."""
         now = self.clock()
-        self._frames(self._framer.push(self._resampler.flush()), now)
+        try:
+            tail = self._audio.flush()
+        except ValueError as err:  # a compressed stream's last frame did not decode (what came before did)
+            self.audio_error = str(err)
+            tail = np.zeros(0, dtype=np.float32)
+        self._frames(self._framer.push(tail), now)
         if self._framer.pending_samples:
             self._frames(self._framer.flush_padded(), now)
         self._decide(self._endpointer.finalize(), now)

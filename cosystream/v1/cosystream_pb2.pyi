@@ -13,6 +13,9 @@ class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LINEAR16: _ClassVar[AudioEncoding]
     MULAW: _ClassVar[AudioEncoding]
     ALAW: _ClassVar[AudioEncoding]
+    OGG_OPUS: _ClassVar[AudioEncoding]
+    FLAC: _ClassVar[AudioEncoding]
+    WEBM_OPUS: _ClassVar[AudioEncoding]
 
 class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +26,9 @@ AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 LINEAR16: AudioEncoding
 MULAW: AudioEncoding
 ALAW: AudioEncoding
+OGG_OPUS: AudioEncoding
+FLAC: AudioEncoding
+WEBM_OPUS: AudioEncoding
 PRIORITY_UNSPECIFIED: Priority
 REALTIME: Priority
 BATCH: Priority

@@ -31,6 +31,7 @@ from cosystream.audio.codecs import (
     MULAW_TO_INT16,
     AudioEncoding,
 )
+from cosystream.audio.streams import COMPRESSED
 from cosystream.audio.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
 from cosystream.server.retry import retry_metadata
 from cosystream.server.servicer import CosyStreamServicer
@@ -146,7 +147,7 @@ def resolve_format(
     if resolved.encoding == AudioEncoding.UNSPECIFIED:
         names = ", ".join(name for code, name in encoding_names.items() if code)
         raise CompatError(bad, f"encoding is unspecified and the audio has no WAV header: set it to {names}")
-    if resolved.sample_rate_hz == 0:
+    if resolved.sample_rate_hz == 0 and resolved.encoding not in COMPRESSED:  # (compressed: the header's)
         raise CompatError(bad, "sample_rate_hertz is required unless the audio starts with a WAV header")
     check_declared(resolved)
     return resolved
@@ -269,7 +270,7 @@ class AudioInput:
     ) -> AsyncIterator[pb.StreamingRecognizeRequest]:
         """The native stream: ``config`` with the resolved audio format filled in, then the audio."""
         encoding = audio.encoding
-        if audio.channels > 1:
+        if audio.channels > 1 and encoding not in COMPRESSED:  # (compressed audio: its decoder downmixes)
             self._downmix = Downmixer(encoding, audio.channels)
             encoding = AudioEncoding.LINEAR16
         config.encoding = int(encoding)
@@ -378,6 +379,12 @@ class StreamAdapter:
             self.servicer.metrics.rejected(_REJECTED.get(err.code, "invalid_argument"))
             await guard.abort(err.code, err.message, err.trailing_metadata())
         if translation.separate_channels and audio_format.channels > 1:
+            if audio_format.encoding in COMPRESSED:
+                await guard.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"enable_separate_recognition_per_channel: a {translation.encoding_names[audio_format.encoding]}"
+                    " stream is recognized downmixed; send LINEAR16 or MULAW for one session per channel",
+                )
             async for foreign in self._per_channel(audio, audio_format, translation, guard):
                 yield foreign
             return

@@ -47,6 +47,11 @@ _ENCODINGS = {
     RecognitionConfig.LINEAR16: AudioEncoding.LINEAR16,
     RecognitionConfig.MULAW: AudioEncoding.MULAW,
 }
+STREAM_ENCODINGS = {  # streams only: decoded as they arrive (cosystream.audio.streams)
+    RecognitionConfig.FLAC: AudioEncoding.FLAC,
+    RecognitionConfig.OGG_OPUS: AudioEncoding.OGG_OPUS,
+    RecognitionConfig.WEBM_OPUS: AudioEncoding.WEBM_OPUS,
+}
 FILE_ENCODINGS = frozenset(
     {RecognitionConfig.FLAC, RecognitionConfig.OGG_OPUS, RecognitionConfig.MP3}
 )  # whole-file requests only: decoded by their header (cosystream.audio.files)
@@ -54,6 +59,9 @@ ENCODING_NAMES = {  # for messages (A-law can only come from a WAV header)
     AudioEncoding.UNSPECIFIED: "ENCODING_UNSPECIFIED",
     AudioEncoding.LINEAR16: "LINEAR16",
     AudioEncoding.MULAW: "MULAW",
+    AudioEncoding.FLAC: "FLAC",
+    AudioEncoding.OGG_OPUS: "OGG_OPUS",
+    AudioEncoding.WEBM_OPUS: "WEBM_OPUS",
 }
 # Google's client retries these two before the first response with a request iterator it has consumed.
 EARLY_CODES = MappingProxyType(
@@ -72,10 +80,13 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
     declare a file format (:data:`FILE_ENCODINGS`: decoded from its header)."""
     if config.language_code.lower() not in ("", *LANGUAGES):
         raise CompatError(_BAD, "Invalid recognition 'config': bad language code.")
-    if config.encoding not in _ENCODINGS and not (files and config.encoding in FILE_ENCODINGS):
+    streamed = not files and config.encoding in STREAM_ENCODINGS
+    if config.encoding not in _ENCODINGS and not (files and config.encoding in FILE_ENCODINGS) and not streamed:
         name = _ENCODING_ENUM.values_by_number.get(config.encoding)
         name = name.name if name is not None else str(config.encoding)
-        usable = "LINEAR16, MULAW, FLAC, OGG_OPUS or MP3" if files else "LINEAR16 or MULAW"
+        usable = (
+            "LINEAR16, MULAW, FLAC, OGG_OPUS or MP3" if files else "LINEAR16, MULAW, FLAC, OGG_OPUS or WEBM_OPUS"
+        )
         raise CompatError(
             _BAD,
             f"Invalid recognition 'config': encoding {name} is not supported by this server: "
@@ -84,7 +95,9 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
     for unsupported in _unhonoured(config):
         raise CompatError(_BAD, f"Invalid recognition 'config': {unsupported} is not supported by this server")
     declared = AudioFormat(
-        _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
+        STREAM_ENCODINGS[config.encoding]
+        if streamed
+        else _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
         config.sample_rate_hertz,
         config.audio_channel_count,
     )

@@ -41,12 +41,18 @@ _ENCODINGS = {
     raudio.MULAW: AudioEncoding.MULAW,
     raudio.ALAW: AudioEncoding.ALAW,
 }
-FILE_ENCODINGS = frozenset({raudio.FLAC, raudio.OGGOPUS})  # offline Recognize only: decoded by their header
+FILE_ENCODINGS = frozenset({raudio.FLAC, raudio.OGGOPUS})  # offline Recognize: decoded by their header
+STREAM_ENCODINGS = {
+    raudio.FLAC: AudioEncoding.FLAC,
+    raudio.OGGOPUS: AudioEncoding.OGG_OPUS,
+}  # streams: as they arrive
 _ENCODING_NAMES = {
     AudioEncoding.UNSPECIFIED: "ENCODING_UNSPECIFIED",
     AudioEncoding.LINEAR16: "LINEAR_PCM",
     AudioEncoding.MULAW: "MULAW",
     AudioEncoding.ALAW: "ALAW",
+    AudioEncoding.FLAC: "FLAC",
+    AudioEncoding.OGG_OPUS: "OGGOPUS",
 }
 _BAD = grpc.StatusCode.INVALID_ARGUMENT
 _FRAME_MS = 10
@@ -69,10 +75,11 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
     served = config.model == "" or any(m.name == config.model for m in info.models)
     if config.language_code.lower() not in ("", LANGUAGE_CODE.lower()) or not served:
         raise _unavailable_model(config, "offline" if files else "online")
-    if config.encoding not in _ENCODINGS and not (files and config.encoding in FILE_ENCODINGS):
+    streamed = not files and config.encoding in STREAM_ENCODINGS
+    if config.encoding not in _ENCODINGS and not (files and config.encoding in FILE_ENCODINGS) and not streamed:
         known = raudio.AudioEncoding.DESCRIPTOR.values_by_number.get(config.encoding)
         name = known.name if known is not None else config.encoding
-        usable = "LINEAR_PCM, MULAW, ALAW, FLAC or OGGOPUS" if files else "LINEAR_PCM, MULAW or ALAW"
+        usable = "LINEAR_PCM, MULAW, ALAW, FLAC or OGGOPUS"
         raise CompatError(
             _BAD,
             f"encoding {name} is not supported: use {usable}, or send a WAV file with the encoding unspecified",
@@ -82,7 +89,9 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
     if config.HasField("diarization_config") and config.diarization_config.enable_speaker_diarization:
         raise CompatError(_BAD, "diarization_config.enable_speaker_diarization is not supported: no speaker tags")
     declared = AudioFormat(
-        _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
+        STREAM_ENCODINGS[config.encoding]
+        if streamed
+        else _ENCODINGS.get(config.encoding, AudioEncoding.UNSPECIFIED),
         config.sample_rate_hertz,
         config.audio_channel_count,
     )
