@@ -15,53 +15,15 @@ contexts; a few sounds that only foreign words use are merged into the nearest E
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gzip
 import json
-import re
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from cosystream.decoding.g2p import Espeak
 from cosystream.decoding.lexicon import read_spellings as read_lexicon
 from cosystream.decoding.lm import NgramLm
-
-_SYNCHRONOUS = 0x02
-_CHARS_UTF8 = 1
-_MARKS = re.compile(r"[',%=;|!]")  # stress, syllable and pause marks
-_VARIANT = re.compile(r"(?<=.)[2#5]$")
-# Sounds that occur in a handful of (mostly foreign) words, merged into the nearest English one.
-_RARE = {"x": "k", "C": "h", "e": "E", "o": "oU", "a:": "A:", "a#:": "A:", "A~": "A:", "O~": "O:", "i::": "i:"}
-
-
-class Espeak:
-    """espeak-ng's text-to-phoneme conversion (no audio), for one voice."""
-
-    def __init__(self, voice: str = "en-us") -> None:
-        lib = ctypes.CDLL("libespeak-ng.so.1")
-        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        lib.espeak_TextToPhonemes.restype = ctypes.c_char_p
-        lib.espeak_TextToPhonemes.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int]
-        if lib.espeak_Initialize(_SYNCHRONOUS, 0, None, 0) < 0:
-            raise RuntimeError("libespeak-ng failed to initialize")
-        if lib.espeak_SetVoiceByName(voice.encode()) != 0:
-            raise ValueError(f"espeak-ng has no voice {voice!r}")
-        self._lib = lib
-
-    def phonemes(self, text: str) -> list[str]:
-        """espeak-ng's phoneme names for ``text``, stress and variant marks removed."""
-        buf = ctypes.create_string_buffer(text.encode())
-        ptr = ctypes.c_void_p(ctypes.addressof(buf))
-        names: list[str] = []
-        while ptr.value:
-            out = self._lib.espeak_TextToPhonemes(ctypes.byref(ptr), _CHARS_UTF8, ord("_") << 8)
-            for chunk in (out or b"").decode().split():
-                for name in chunk.split("_"):
-                    name = _VARIANT.sub("", _MARKS.sub("", name))
-                    if name:
-                        names.append(_RARE.get(name, name))
-        return names
 
 
 def unit_table(names: Iterable[str]) -> dict[str, str]:

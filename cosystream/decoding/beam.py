@@ -23,8 +23,10 @@ import numpy as np
 from cosystream.decoding.greedy import Alternative, Word, ranked_alternatives
 from cosystream.decoding.lexicon import Lexicon
 from cosystream.decoding.lm import NgramLm
+from cosystream.decoding.phrases import Boosting
 
 _NEG = -1e30
+STALL_FRAMES = 25  # frames without a token of a boosted word being spelled before it loses its credit
 
 
 def _lse(a: float, b: float) -> float:
@@ -57,6 +59,7 @@ class _Prefix:
         "node",
         "partial",
         "pb",
+        "phrase",
         "pnb",
         "start",
         "text",
@@ -79,10 +82,11 @@ class _Prefix:
         self.pb = _NEG
         self.pnb = _NEG
         self.tot = _NEG  # _lse(pb, pnb), kept up to date at the end of each frame (the next reads it per token)
+        self.phrase = None  # the context graph state, with phrase boosting (phrases.Boosting.step)
 
     def copy(self) -> _Prefix:
         """The same prefix, with no probability yet (for the next frame)."""
-        return _Prefix(
+        p = _Prefix(
             self.text,
             self.last,
             self.node,
@@ -94,6 +98,8 @@ class _Prefix:
             self.end,
             self.wlp,
         )
+        p.phrase = self.phrase
+        return p
 
     def word_confidence(self) -> float:
         return math.exp(self.wlp / max(1, len(self.partial)))
@@ -114,13 +120,18 @@ class BeamCtcDecoder:
         lexicon: Lexicon | None = None,
         config: BeamConfig | None = None,
         frame_ms: int = 10,
+        boosting: Boosting | None = None,
     ) -> None:
+        """``boosting``: the session's phrases (its lexicon replaces ``lexicon``)."""
         if vocabulary[0] not in ("<blank>", "") or " " not in vocabulary:
             raise ValueError("beam search needs the blank at index 0 and a ' ' word separator")
         self._vocab = list(vocabulary)
         self._space = self._vocab.index(" ")
         self.lm = lm
         self.lexicon = lexicon or Lexicon.from_lm(lm, vocabulary)
+        self.boosting = boosting
+        if boosting is not None:
+            self.lexicon = boosting.lexicon
         self.config = config or BeamConfig()
         self.stable_interims = self.config.beam_size == 1
         self.frame_ms = frame_ms
@@ -213,6 +224,9 @@ class BeamCtcDecoder:
                             lm = p.lm + cfg.alpha * lm_lp + cfg.beta
                             words = (*p.words, self._word(p, word))
                             q = nxt[key] = _Prefix(key, 0, self.lexicon.root, "", ctx, lm, words, 0, 0, 0.0)
+                            if self.boosting is not None:
+                                q.phrase, gain = self.boosting.step(p.phrase, word)
+                                q.lm += gain
                             q.pnb = total + lp
                         else:
                             q.pnb = _lse(q.pnb, total + lp)
@@ -240,6 +254,7 @@ class BeamCtcDecoder:
                                 frame + 1,
                                 p.wlp + lp,
                             )
+                            q.phrase = p.phrase
                             nxt[key] = q
                             q.pnb = p.pb + lp
                         else:
@@ -256,6 +271,7 @@ class BeamCtcDecoder:
                         else:
                             partial, begin, wlp = vocab[k], frame, lp
                         q = nxt[key] = _Prefix(key, k, child, partial, p.ctx, p.lm, p.words, begin, frame + 1, wlp)
+                        q.phrase = p.phrase
                         q.pnb = total + lp
                     else:
                         q.pnb = _lse(q.pnb, total + lp)
@@ -264,10 +280,37 @@ class BeamCtcDecoder:
         for i, q in enumerate(nxt.values()):
             q.tot = total = _lse(q.pb, q.pnb)
             scored.append((total + q.lm + alpha * q.node[2], i, q))  # self._rank(q)
-        ranked = heapq.nlargest(cfg.beam_size, scored)
-        floor = ranked[0][0] - cfg.score_prune
+        if self.boosting is not None:
+            ranked, floor = self._boosted_ranking(frame, scored)
+        else:
+            ranked = heapq.nlargest(cfg.beam_size, scored)
+            floor = ranked[0][0] - cfg.score_prune
         self._beams = {p.text: p for score, _, p in ranked if score >= floor}
         self._best = ranked[0][2]  # what max(self._beams.values(), key=self._rank) picks: the first of the best
+
+    def _boosted_ranking(self, frame: int, scored: list) -> tuple[list, float]:
+        """The beam and its pruning floor with phrase boosting. A word being spelled is credited a share of its
+        boost in the lookahead (``node[4]``, lexicon.extended); the floor is measured from the best
+        hypothesis *without* that credit, so a boosted spelling the audio may not finish does not prune every
+        other hypothesis, and a spelling stalled for STALL_FRAMES (no token of it) loses its credit, else it
+        outranks through blanks every hypothesis that went on."""
+        alpha = self.config.alpha
+        stalled = frame - STALL_FRAMES
+        plain_best = -math.inf
+        adjusted = []
+        for score, i, q in scored:
+            node = q.node
+            if len(node) > 4 and q.partial:
+                credit = alpha * node[4]
+                if q.end < stalled:
+                    score -= credit
+                    credit = 0.0
+                plain_best = max(plain_best, score - credit)
+            else:
+                plain_best = max(plain_best, score)
+            adjusted.append((score, i, q))
+        ranked = heapq.nlargest(self.config.beam_size, adjusted)
+        return ranked, min(ranked[0][0], plain_best) - self.config.score_prune
 
     # ------------------------------------------------------------------ results
 
@@ -277,13 +320,20 @@ class BeamCtcDecoder:
         score = _lse(p.pb, p.pnb) + p.lm
         words = p.words
         ctx = p.ctx
+        boosting, phrase = self.boosting, p.phrase
         if p.partial:
             if p.node[1] is None:
                 return score - 1e3, (*words, self._partial_word(p))
-            # The homophone the language model likes best here ends the utterance.
-            scored = [(*self.lm.score(ctx, w), w) for w in p.node[1]]
-            lm_lp, ctx, word = max(scored, key=lambda s: s[0])
-            score += cfg.alpha * lm_lp + cfg.beta
+            # The homophone the language model likes best here (with its boost) ends the utterance.
+            scored = []
+            for w in p.node[1]:
+                lm_lp, next_ctx = self.lm.score(ctx, w)
+                gain, next_phrase = 0.0, None
+                if boosting is not None:
+                    next_phrase, gain = boosting.step(phrase, w)
+                scored.append((cfg.alpha * lm_lp + gain, next_ctx, next_phrase, w))
+            gained, ctx, phrase, word = max(scored, key=lambda s: s[0])
+            score += gained + cfg.beta
             words = (*words, self._word(p, word))
         return score + cfg.alpha * self.lm.end(ctx), words
 

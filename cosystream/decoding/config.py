@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +25,11 @@ from pathlib import Path
 from cosystream.decoding import flashlight
 from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder
 from cosystream.decoding.flashlight import FlashlightCtcDecoder, FlashlightLexicon
+from cosystream.decoding.g2p import G2PUnavailable, PhonemeSpeller
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.decoding.lexicon import Lexicon, read_spellings
 from cosystream.decoding.lm import NgramLm
+from cosystream.decoding.phrases import Boosting, Phrase, PhraseError
 from cosystream.frames import FRAME_MS
 from cosystream.models.loading import DEFAULT_MODEL_DIR, LEXICON_FILE
 
@@ -124,9 +127,12 @@ class DecoderFactory:
         self.vocabulary = list(vocabulary)
         self.lm: NgramLm | None = None
         self.lexicon: Lexicon | FlashlightLexicon | None = None
+        self._spellings: dict[str, str] | None = None
+        self._speller: PhonemeSpeller | None = None
+        self._speller_lock = threading.Lock()
         if config.kind == "beam":
             started = time.perf_counter()
-            spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
+            spellings = self._spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
             if config.search == "flashlight":
                 self.lexicon = FlashlightLexicon(config.lm_path, self.vocabulary, spellings)
             else:
@@ -140,9 +146,38 @@ class DecoderFactory:
                 time.perf_counter() - started,
             )
 
-    def __call__(self) -> CtcDecoder | BeamCtcDecoder | FlashlightCtcDecoder:
+    def boosting(self, phrases: tuple[Phrase, ...]) -> Boosting:
+        """A session's phrase boosting (its lexicon with the new words, pronounced by the G2P for a phoneme
+        model, and its context graph); raises :class:`PhraseError` saying why not. Blocking (the G2P): call it
+        off the event loop."""
+        if self.lm is None or not isinstance(self.lexicon, Lexicon):
+            how = (
+                "greedy decoding (serve --decoder beam)"
+                if self.config.kind == "greedy"
+                else "the flashlight search"
+            )
+            raise PhraseError(f"phrases need the Python beam search: this server decodes this model with {how}")
+        spell = None
+        if not self.lexicon.spelled:
+            with self._speller_lock:
+                if self._speller is None:
+                    try:
+                        self._speller = PhonemeSpeller.from_lexicon(self._spellings or {})
+                    except G2PUnavailable as err:
+                        raise PhraseError(f"phrases with words the model does not know: {err}") from None
+                    log.info(
+                        "G2P (espeak-ng) for new words: %d phonemes mapped, %.1f%% of sampled lexicon words "
+                        "pronounced as the lexicon has them",
+                        len(self._speller.units),
+                        100 * self._speller.agreement,
+                    )
+            spell = self._speller.spell
+        return Boosting.build(phrases, self.lexicon, self.lm, self.config.beam.alpha, spell)
+
+    def __call__(self, boosting: Boosting | None = None) -> CtcDecoder | BeamCtcDecoder | FlashlightCtcDecoder:
+        """A fresh decoder; ``boosting`` (from :meth:`boosting`): the session's phrases."""
         if isinstance(self.lexicon, FlashlightLexicon):
             return FlashlightCtcDecoder(self.vocabulary, self.lexicon, self.config.beam, FRAME_MS)
         if self.lm is None:
             return CtcDecoder(self.vocabulary, FRAME_MS)
-        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, self.config.beam, FRAME_MS)
+        return BeamCtcDecoder(self.vocabulary, self.lm, self.lexicon, self.config.beam, FRAME_MS, boosting)

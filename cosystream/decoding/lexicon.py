@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gzip
+from collections import ChainMap
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from cosystream.decoding.lm import NgramLm
@@ -49,11 +51,13 @@ class Lexicon:
         self.spelled = spellings is None  # words are spelled by their own letters
         self.root: list = [{}, None, 0.0, None]
         self.size = 0
+        self.words: Mapping[str, str] = {}  # word -> its spelling, for every word in the trie
         unigram = (lambda w: lm.score((), w)[0]) if lm is not None else (lambda w: 0.0)
         for w in words:
             spelling = w if spellings is None else spellings.get(w)
             if not w or not spelling or any(ch not in self.ids for ch in spelling):
                 continue
+            self.words[w] = spelling
             node = self.root
             for ch in spelling:
                 node = node[0].setdefault(self.ids[ch], [{}, None, 0.0, None])
@@ -78,6 +82,43 @@ class Lexicon:
         node[2] = best if depth else 0.0
         node[3] = guess
         return best, guess
+
+    def extended(
+        self, new: dict[str, str], lookahead: dict[str, tuple[float, float]], spelling_of: Callable[[str], str]
+    ) -> Lexicon:
+        """This lexicon plus the words ``new`` (word -> spelling), and with the lookahead on the path of each
+        word of ``lookahead`` (word -> (unigram ln P, bonus)) at least its unigram plus the share of the bonus
+        its spelling has reached at that node (the whole bonus at its end, as a context graph's per-token
+        score: a hypothesis is credited as it spells the word, not before); that word is then the guess shown
+        while it is spelled. Only the nodes on those paths are copied; every other node is shared with this
+        lexicon, which is unchanged."""
+        other = object.__new__(Lexicon)
+        other.ids, other.spelled = self.ids, self.spelled
+        other.words = ChainMap(new, self.words)
+        other.size = self.size + len(new)
+        other.root = root = [dict(self.root[0]), *self.root[1:]]
+        copied = {id(root)}
+        for word in {**dict.fromkeys(new), **dict.fromkeys(lookahead)}:
+            unigram, bonus = lookahead.get(word, (-1e9, 0.0))
+            spelling = spelling_of(word)
+            node = root
+            for depth, ch in enumerate(spelling, 1):
+                score = unigram + bonus * depth / len(spelling)
+                token = self.ids[ch]
+                child = node[0].get(token)
+                if child is None:
+                    child = [{}, None, -1e9, None]
+                elif id(child) not in copied:
+                    child = [dict(child[0]), *child[1:]]
+                copied.add(id(child))
+                node[0][token] = child
+                if score > child[2]:
+                    child[2], child[3] = score, word
+                    child[4:] = [bonus * depth / len(spelling)]  # (a stalled spelling loses it: beam.py)
+                node = child
+            if node[1] is None or word not in node[1]:
+                node[1] = (word, *(node[1] or ()))  # (a homophone the trie had left out comes back too)
+        return other
 
     @classmethod
     def from_lm(cls, lm: NgramLm, vocabulary: list[str], spellings: dict[str, str] | None = None) -> Lexicon:

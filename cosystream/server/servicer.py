@@ -16,6 +16,7 @@ new version of its model between utterances decodes the next ones with the new v
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -32,6 +33,8 @@ from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.audio.streams import COMPRESSED, OPUS_RATES_HZ, AudioFormatError, codecs_available
 from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
+from cosystream.decoding.phrases import PhraseError
+from cosystream.decoding.phrases import normalize as normalize_phrases
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
@@ -158,6 +161,10 @@ def validate_config(
         raise ConfigError(
             f"max_alternatives={config.max_alternatives} is not supported: use 0 to {MAX_ALTERNATIVES}"
         )
+    try:
+        phrases = normalize_phrases((phrase.text, phrase.boost) for phrase in config.phrases)
+    except PhraseError as err:
+        raise ConfigError(f"phrases: {err}") from None
     return SessionConfig(
         encoding=encoding,
         sample_rate_hz=rate,
@@ -169,6 +176,7 @@ def validate_config(
         second_pass=second_pass and config.final_pass != STREAMING,
         punctuation=config.enable_automatic_punctuation,
         max_alternatives=max(1, config.max_alternatives),
+        phrases=phrases,
     )
 
 
@@ -260,11 +268,12 @@ class _Stream:
         priority_label = config.priority.name.lower()
         model: ModelInfo = servicer.info.models[config.model]
         self.model_id = model.id  # the engine's id of the model version it runs
+        self.phrases = config.phrases
         self.session = Session(
             self.key,
             self.session_id,
             config,
-            servicer.models.decoder(model)(),
+            servicer.models.decoder(model)(config.boosting),
             self.engine,
             self.responses.put,
             max_in_flight_frames=servicer.options.max_in_flight_frames,
@@ -310,9 +319,14 @@ class _Stream:
             self._fail(grpc.StatusCode.INTERNAL, "the server lost track of its models")
             return
         self.model_id = model
-        self.session.use_model(
-            self.servicer.models.decoder(info)(), info.name, info.version, info.output_delay_frames
-        )
+        factory = self.servicer.models.decoder(info)
+        boosting = None
+        if self.phrases:  # (the new version's lexicon: its words again, here, as a swap is rare)
+            try:
+                boosting = factory.boosting(self.phrases)
+            except PhraseError as err:
+                log.warning("session %s: its phrases are not boosted on %s: %s", self.session_id, info.name, err)
+        self.session.use_model(factory(boosting), info.name, info.version, info.output_delay_frames)
 
     def on_refused(self, message: str, shed: bool) -> None:
         self.servicer.metrics.rejected("shed" if shed else "full")
@@ -594,6 +608,13 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             )
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        if config.phrases:
+            factory = self.models.decoder(self.info.models[config.model])
+            try:  # (the G2P and the session's lexicon: milliseconds per new word, off the event loop)
+                boosting = await asyncio.to_thread(factory.boosting, config.phrases)
+            except PhraseError as err:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"phrases: {err}") from None
+            config = dataclasses.replace(config, boosting=boosting)
         token = current_token()
         if token is not None and not token.allows(config.priority.name):
             allowed = ", ".join(sorted(token.priorities))

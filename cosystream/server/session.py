@@ -55,6 +55,8 @@ class SessionConfig:
     second_pass: bool = False  # finals from the server's second pass (it runs one, and the stream did not opt out)
     punctuation: bool = False  # second-pass finals keep its capitals, punctuation and digits
     max_alternatives: int = 1  # finals carry up to this many n-best alternatives
+    phrases: tuple = ()  # phrase boosting (decoding.phrases.Phrase), normalized
+    boosting: object = None  # what the phrases made for the session's model (decoding.phrases.Boosting)
 
 
 REALTIME_BURST_S = 2.0

@@ -74,7 +74,7 @@ class StreamingRecognizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class StreamingConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives")
+    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class StreamingConfig(_message.Message):
     FINAL_PASS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_AUTOMATIC_PUNCTUATION_FIELD_NUMBER: _ClassVar[int]
     MAX_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    PHRASES_FIELD_NUMBER: _ClassVar[int]
     encoding: AudioEncoding
     sample_rate_hz: int
     priority: Priority
@@ -95,7 +96,16 @@ class StreamingConfig(_message.Message):
     final_pass: str
     enable_automatic_punctuation: bool
     max_alternatives: int
-    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ...) -> None: ...
+    phrases: _containers.RepeatedCompositeFieldContainer[Phrase]
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ...) -> None: ...
+
+class Phrase(_message.Message):
+    __slots__ = ("text", "boost")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BOOST_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    boost: float
+    def __init__(self, text: _Optional[str] = ..., boost: _Optional[float] = ...) -> None: ...
 
 class EndpointingConfig(_message.Message):
     __slots__ = ("silence_ms", "max_utterance_ms", "vad_aggressiveness")

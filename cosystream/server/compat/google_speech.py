@@ -31,6 +31,7 @@ from google.cloud.speech_v1.types import cloud_speech
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
+from cosystream.decoding.phrases import MAX_BOOST
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
 from cosystream.v1 import cosystream_pb2 as pb
@@ -107,14 +108,20 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         model=info.models[model].name if model else "",
         enable_automatic_punctuation=config.enable_automatic_punctuation,
         max_alternatives=min(max(config.max_alternatives, 0), MAX_ALTERNATIVES),  # Google: "up to"
+        phrases=[
+            # Google's boost is "typically 0 to 20" and larger ones are accepted: at most ours.
+            pb.Phrase(text=phrase, boost=min(context.boost, MAX_BOOST))
+            for context in config.speech_contexts
+            for phrase in context.phrases
+        ],
     )
     return declared, native
 
 
 def _unhonoured(config) -> list[str]:
     """The fields set in ``config`` that would change what the client gets and that this server cannot
-        honour (docs/COMPAT.md): refused rather than ignored. Hints (``speech_contexts``, ``adaptation``),
-    ``use_enhanced`` and ``metadata`` are ignored."""
+        honour (docs/COMPAT.md): refused rather than ignored. ``speech_contexts`` are boosted phrases;
+    ``adaptation``, ``use_enhanced`` and ``metadata`` are ignored."""
     unhonoured = []
     languages = [code for code in config.alternative_language_codes if code.lower() not in LANGUAGES]
     if languages:
