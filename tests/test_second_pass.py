@@ -364,7 +364,8 @@ def test_utterances_that_end_together_are_read_in_one_call_by_length_and_up_to_m
 @needs_espeak
 def test_a_job_that_would_miss_its_deadline_behind_others_is_refused_at_once():
     short = int16(speech(SENTENCE))
-    long = np.tile(short, 8)  # (~21 s: by any measured cost, longer to read than the 2 s deadline)
+    long = np.tile(short, 40)  # (~107 s: by any measured cost, longer to read than the 2 s deadline; 21 s was
+    # read in 0.7 s on a fast 2-core machine)
 
     async def scenario():
         async with started_second_pass(2000) as second_pass:
@@ -375,7 +376,7 @@ def test_a_job_that_would_miss_its_deadline_behind_others_is_refused_at_once():
             # behind it, a REALTIME job would pass its deadline: refused now (its streaming final goes now)
             assert not second_pass.submit(2, 1, short, True, lambda result: answers.setdefault(1, result))
             assert second_pass.stats.refused == 1 and second_pass.observer.outcomes == ["refused"]
-            await asyncio.wait_for(_until(lambda: 0 in answers and not second_pass._running), 30)
+            await asyncio.wait_for(_until(lambda: 0 in answers and not second_pass._running), 180)
             # and with the worker free again, the next one is read
             assert second_pass.submit(3, 2, short, True, lambda result: answers.setdefault(2, result))
             await asyncio.wait_for(_until(lambda: 2 in answers), 30)
@@ -387,7 +388,7 @@ def test_a_job_that_would_miss_its_deadline_behind_others_is_refused_at_once():
 @needs_espeak
 def test_a_hurry_caps_every_jobs_wait_queued_running_and_later():
     short = int16(speech(SENTENCE))
-    long = np.tile(short, 5)  # (~13 s: read for longer than the cap below)
+    long = np.tile(short, 20)  # (~53 s: read for longer than the cap below, on a fast machine too)
 
     async def scenario():
         async with started_second_pass(60_000) as second_pass:
@@ -428,7 +429,8 @@ def test_a_worker_that_dies_answers_none_and_is_started_again():
             )
             answered = asyncio.Event()
             results: list = []
-            second_pass.submit(1, 0, np.tile(audio, 5), True, lambda r: (results.append(r), answered.set()))
+            # (~107 s: still being read at the kill on a fast machine, where 13 s took 0.26 s)
+            second_pass.submit(1, 0, np.tile(audio, 40), True, lambda r: (results.append(r), answered.set()))
             await asyncio.sleep(0.3)  # (it is running)
             os.kill(workers[0].pid, signal.SIGKILL)
             await asyncio.wait_for(answered.wait(), 30)
