@@ -96,7 +96,7 @@ class _Recorder:
     def __init__(self):
         self.jobs: list = []
 
-    def submit(self, key, index, audio, realtime, on_done, word_times=False) -> bool:
+    def submit(self, key, index, audio, realtime, on_done, word_times=False, hotwords="") -> bool:
         self.jobs.append((key, index, audio, realtime, on_done))
         return True
 
@@ -410,6 +410,29 @@ def test_a_hurry_caps_every_jobs_wait_queued_running_and_later():
     asyncio.run(scenario())
 
 
+ZORBLAX = "please call zorblax quindle tomorrow morning"  # (Whisper alone: "please call more black squindle")
+
+
+@needs_espeak
+def test_hotwords_are_whispers_prompt_and_split_batches():
+    audio = int16(np.concatenate([silence(0.2), speech(ZORBLAX), silence(0.3)]))
+
+    async def scenario():
+        async with started_second_pass(60_000) as second_pass:
+            answers: dict = {}
+            for index, hotwords in enumerate(["", "Zorblax Quindle"]):
+                assert second_pass.submit(
+                    1, index, audio, True, lambda r, i=index: answers.setdefault(i, r), hotwords=hotwords
+                )
+            await asyncio.wait_for(_until(lambda: len(answers) == 2), 60)
+            # one prompt per call: two jobs of one length and priority, read apart for their hotwords
+            assert second_pass.observer.batches == [1, 1]
+            assert "zorblax quindle" not in answers[0].text
+            assert answers[1].text == ZORBLAX
+
+    asyncio.run(scenario())
+
+
 async def _until(condition, interval_s: float = 0.02) -> None:
     while not condition():
         await asyncio.sleep(interval_s)
@@ -584,6 +607,19 @@ def test_every_surface_gets_the_second_pass_final_of_a_real_voice(server, stub):
     with OpenAI(base_url=http_url, api_key="unused", max_retries=0) as client, REAL_VOICE.open("rb") as f:
         text = client.audio.transcriptions.create(model="whisper-1", file=f).text
     assert text[0] == "P" and text.endswith(".") and spoken_form(text) == REAL_TEXT  # (written text, as OpenAI's)
+    no_leaks(server, stub)
+
+
+@needs_espeak
+def test_a_streams_phrases_reach_the_second_pass(server, stub):
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    data = encode(np.concatenate([silence(0.3), speech(ZORBLAX), silence(1.0)]), "LINEAR16")
+    plain = check_event_contract(run_stream(stub, config(), data))
+    boosted = check_event_contract(run_stream(stub, config(phrases=[pb.Phrase(text="Zorblax Quindle")]), data))
+    assert [f.final_pass for f in plain + boosted] == ["second_pass", "second_pass"]
+    assert "zorblax quindle" not in plain[0].transcript
+    assert boosted[0].transcript == ZORBLAX
     no_leaks(server, stub)
 
 

@@ -44,6 +44,7 @@ PAD_FRAMES = 1000  # features padded with 10 s past the utterance (see the modul
 MAX_PIECE_S = 20.0  # longer utterances are cut, each piece keeping its 10 s of padding
 CUT_SEARCH_S = 4.0  # a cut goes at the quietest 100 ms within this much before a piece's limit
 MAX_NEW_TOKENS_PER_S = 6  # the generation limit: ~3x the tokens of fast speech
+MAX_PROMPT_TOKENS = 224  # hotwords: at most half of the 448-token context, as faster-whisper
 NO_SPEECH_MAX = 0.6
 AVG_LOGPROB_MIN = -1.0
 COMPRESSION_RATIO_MAX = 2.4  # Whisper's own loop test
@@ -181,7 +182,7 @@ class WhisperTranscriber:
         return self.transcribe_batch([pcm16k])[0]
 
     def transcribe_batch(
-        self, utterances: list[np.ndarray], word_times: list[bool] | None = None
+        self, utterances: list[np.ndarray], word_times: list[bool] | None = None, hotwords: str = ""
     ) -> list[SecondPassResult]:
         """Several utterances (as :meth:`transcribe` takes them) read together: every piece of every utterance
         goes through one encoder call and one batched decode, its features padded to the longest piece plus
@@ -189,7 +190,8 @@ class WhisperTranscriber:
         utterances of ~4.5 s), on two 1.3-1.6x, on a GPU far more; batch utterances of similar length (a short
         one padded to a long one's length pays for the padding). ``word_times[i]``: utterance ``i``'s words
         get their times, from Whisper's cross-attention alignment (its alignment heads, median-filtered, as
-        faster-whisper's ``word_timestamps``), one more batched decoder pass."""
+        faster-whisper's ``word_timestamps``), one more batched decoder pass. ``hotwords``: words to expect
+        (a session's phrases), given to Whisper as its previous text, as faster-whisper's ``hotwords``."""
         started = time.monotonic()
         word_times = word_times or [False] * len(utterances)
         audios = [
@@ -204,7 +206,7 @@ class WhisperTranscriber:
                 pieces.append(audio[start:end])
                 owners.append(owner)
                 offsets_s.append(start / SAMPLE_RATE_HZ)
-        read = self._pieces(pieces, [word_times[owner] for owner in owners]) if pieces else []
+        read = self._pieces(pieces, [word_times[owner] for owner in owners], hotwords) if pieces else []
         compute_s = time.monotonic() - started
         by_owner: list[list[tuple[np.ndarray, Reading]]] = [[] for _ in audios]
         for owner, piece, offset_s, (text, no_speech, logprob, tokens, words) in zip(
@@ -214,7 +216,15 @@ class WhisperTranscriber:
             by_owner[owner].append((piece, (text, no_speech, logprob, tokens, words)))
         return [_judge(parts, compute_s) for parts in by_owner]
 
-    def _pieces(self, pieces: list[np.ndarray], word_times: list[bool]) -> list[Reading]:
+    def _prompt(self, hotwords: str) -> list[int]:
+        """The decoder's prompt: with hotwords, ``<|startofprev|>`` and their tokens (at most half the context,
+        as faster-whisper) before the start of transcript."""
+        if not hotwords.strip():
+            return self.prompt
+        tokens = self.tokenizer.encode(" " + hotwords.strip())[: MAX_PROMPT_TOKENS - 1]
+        return [self.tokenizer.sot_prev, *tokens, *self.prompt]
+
+    def _pieces(self, pieces: list[np.ndarray], word_times: list[bool], hotwords: str = "") -> list[Reading]:
         """(raw text, no-speech probability, average log-probability, tokens, timed words) of each piece (at
         most 30 s)."""
         from faster_whisper.audio import pad_or_trim
@@ -223,13 +233,14 @@ class WhisperTranscriber:
         frames = min(MAX_FEATURE_FRAMES, max(f.shape[-1] for f in features) + PAD_FRAMES)
         encoded = self.model.encode(np.stack([pad_or_trim(f, frames) for f in features]))
         seconds = max(len(piece) for piece in pieces) / SAMPLE_RATE_HZ
+        prompt = self._prompt(hotwords)
         results = self.model.model.generate(
             encoded,
-            [self.prompt] * len(pieces),
+            [prompt] * len(pieces),
             beam_size=1,
             return_scores=True,
             return_no_speech_prob=True,
-            max_length=min(448, len(self.prompt) + int(MAX_NEW_TOKENS_PER_S * seconds) + 10),
+            max_length=min(448, len(prompt) + int(MAX_NEW_TOKENS_PER_S * seconds) + 10),
             suppress_blank=True,
             suppress_tokens=[-1],
         )

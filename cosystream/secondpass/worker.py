@@ -93,8 +93,8 @@ def _load(spec: str, cpu_threads: int, device: str, nice: int) -> tuple[float, s
     return _transcriber.transcribe(np.zeros(16000, dtype=np.int16)).compute_s, _transcriber.device
 
 
-def _transcribe(audios: list[np.ndarray], word_times: list[bool]) -> list[SecondPassResult]:
-    return _transcriber.transcribe_batch(audios, word_times)
+def _transcribe(audios: list[np.ndarray], word_times: list[bool], hotwords: str = "") -> list[SecondPassResult]:
+    return _transcriber.transcribe_batch(audios, word_times, hotwords)
 
 
 def length_bucket(samples: int) -> int:
@@ -119,13 +119,31 @@ class SecondPassObserver(Protocol):
 
 
 class _Job:
-    __slots__ = ("audio", "deadline_s", "done", "index", "key", "on_done", "submitted_s", "timer", "word_times")
+    __slots__ = (
+        "audio",
+        "deadline_s",
+        "done",
+        "hotwords",
+        "index",
+        "key",
+        "on_done",
+        "submitted_s",
+        "timer",
+        "word_times",
+    )
 
     def __init__(
-        self, key: int, index: int, audio: np.ndarray, deadline_s: float, on_done: OnDone, word_times: bool
+        self,
+        key: int,
+        index: int,
+        audio: np.ndarray,
+        deadline_s: float,
+        on_done: OnDone,
+        word_times: bool,
+        hotwords: str = "",
     ):
         self.key, self.index, self.audio, self.deadline_s, self.on_done = key, index, audio, deadline_s, on_done
-        self.word_times = word_times
+        self.word_times, self.hotwords = word_times, hotwords
         self.submitted_s = time.monotonic()
         self.done = False
         self.timer: asyncio.TimerHandle | None = None
@@ -189,10 +207,17 @@ class SecondPass:
         log.info("second pass: %s ready on %s (1 s of audio in %.2f s)", self.config.model, device, warmup_s)
 
     def submit(
-        self, key: int, index: int, audio: np.ndarray, realtime: bool, on_done: OnDone, word_times: bool = False
+        self,
+        key: int,
+        index: int,
+        audio: np.ndarray,
+        realtime: bool,
+        on_done: OnDone,
+        word_times: bool = False,
+        hotwords: str = "",
     ) -> bool:
         """Queue utterance ``index`` of session ``key`` (int16, 16 kHz; ``word_times``: its words' times
-        wanted): ``on_done`` gets its result, or None
+        wanted; ``hotwords``: its session's phrases, Whisper's prompt): ``on_done`` gets its result, or None
         (late, failed, or the worker gone), exactly once, on the loop and never from inside this call.
         Returns False (and never calls ``on_done``) when the job is refused: the streaming final stands."""
         wait_s = self.config.deadline_ms / 1e3
@@ -204,7 +229,7 @@ class SecondPass:
                 self.observer.job_ended("refused", 0.0)
             return False
         deadline_s = time.monotonic() + wait_s
-        job = _Job(key, index, audio, deadline_s, on_done, word_times)
+        job = _Job(key, index, audio, deadline_s, on_done, word_times, hotwords)
         job.timer = self._loop.call_at(self._loop.time() + wait_s, self._late, job)
         heapq.heappush(self._heap, (0 if realtime else 1, deadline_s, next(self._seq), job))
         self.stats.submitted += 1
@@ -308,8 +333,9 @@ class SecondPass:
                 break
         else:
             return
-        # The head job, and the next ones in queue order of its priority and length bucket.
-        priority, bucket = first[0], length_bucket(len(first[-1].audio))
+        # The head job, and the next ones in queue order of its priority, length bucket and hotwords (one
+        # prompt per call).
+        priority, bucket, hotwords = first[0], length_bucket(len(first[-1].audio)), first[-1].hotwords
         batch, rest = [first[-1]], []
         for entry in sorted(self._heap):
             job = entry[-1]
@@ -319,6 +345,7 @@ class SecondPass:
                 len(batch) < self.config.max_batch
                 and entry[0] == priority
                 and length_bucket(len(job.audio)) == bucket
+                and job.hotwords == hotwords
             ):
                 batch.append(job)
             else:
@@ -328,7 +355,9 @@ class SecondPass:
         self._running_audio_s = sum(len(job.audio) for job in batch) / SAMPLE_RATE_HZ
         self._running_since_s = time.monotonic()
         self.stats.batches += 1
-        future = self._pool.submit(_transcribe, [job.audio for job in batch], [job.word_times for job in batch])
+        future = self._pool.submit(
+            _transcribe, [job.audio for job in batch], [job.word_times for job in batch], hotwords
+        )
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._completed, batch, f))
 
     def _completed(self, batch: list[_Job], future: concurrent.futures.Future) -> None:

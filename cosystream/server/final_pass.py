@@ -44,6 +44,7 @@ class FinalPass:
         "_chunks",
         "_frames",
         "_waiting",
+        "hotwords",
         "key",
         "max_frames",
         "on_answer",
@@ -62,9 +63,12 @@ class FinalPass:
         on_answer: Callable[[], None],
         punctuation: bool = False,
         word_times: bool = False,
+        hotwords: str = "",
     ):
         """``punctuation``: finals keep Whisper's own writing (capitals, punctuation, digits); ``word_times``:
-        the stream asked for word time offsets (its finals get Whisper's words, timed)."""
+        the stream asked for word time offsets (its finals get Whisper's words, timed); ``hotwords``: the
+        session's phrases, which Whisper is told to expect."""
+        self.hotwords = hotwords
         self.second, self.key, self.realtime, self.max_frames = second, key, realtime, max_frames
         self.on_answer = on_answer
         self.punctuation, self.word_times = punctuation, word_times
@@ -99,7 +103,7 @@ class FinalPass:
             held.answer(answer)
             self.on_answer()
 
-        if not self.second.submit(self.key, index, audio, self.realtime, answered, self.word_times):
+        if not self.second.submit(self.key, index, audio, self.realtime, answered, self.word_times, self.hotwords):
             return None
         self._waiting += 1
         return held

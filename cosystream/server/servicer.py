@@ -177,6 +177,7 @@ def validate_config(
         punctuation=config.enable_automatic_punctuation,
         max_alternatives=max(1, config.max_alternatives),
         phrases=phrases,
+        hotwords=", ".join(phrase.text.strip() for phrase in config.phrases),
     )
 
 
@@ -293,6 +294,7 @@ class _Stream:
                 self._second_pass_answered,
                 config.punctuation,
                 config.word_time_offsets,
+                config.hotwords,
             ),
         )
         self.reader: asyncio.Task | None = None
