@@ -220,3 +220,67 @@ def test_riva_boosted_lm_words(server):
 
     assert "siobhan nguyen" not in recognize([])
     assert recognize(["siobhan", "nguyen"]) == NAMED
+
+
+# --- OpenAI's prompt ----------------------------------------------------------------------------------
+
+PROMPT = "Notes of the meeting with Siobhan Nguyen."
+
+
+def test_a_prompts_longer_words_become_phrases(server):
+    from cosystream.server.http.common import PROMPT_BOOST, prompt_phrases
+
+    servicer = server.frontend.servicer
+    phrases = prompt_phrases(servicer, "", "Call 555-0100: Siobhan's team, Nguyen & co. Nguyen!")
+    assert [(p.text, p.boost) for p in phrases] == [
+        (w, PROMPT_BOOST) for w in ("Call", "Siobhan's", "team", "Nguyen")
+    ]
+    assert prompt_phrases(servicer, "", "") == [] and prompt_phrases(servicer, "", "a b c 12") == []
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    from tests.test_http import local_http_server
+
+    with local_http_server() as srv:
+        srv.http_url = f"http://127.0.0.1:{srv.frontend.http_port}"
+        yield srv
+
+
+@needs_espeak
+def test_openai_transcriptions_prompt(http_server):
+    openai = pytest.importorskip("openai")
+    from tests.test_http import wav_file
+
+    wav = wav_file(utterance(NAMED), 16000)
+    with openai.OpenAI(base_url=f"{http_server.http_url}/v1", api_key="unused", max_retries=0) as client:
+        plain = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav)).text
+        prompted = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), prompt=PROMPT).text
+    assert "siobhan nguyen" not in plain.lower()
+    assert prompted.lower().rstrip(".") == NAMED
+
+
+@needs_espeak
+def test_openai_realtime_transcription_prompt(http_server):
+    import asyncio
+    import json
+
+    websockets = pytest.importorskip("websockets")
+    from tests.test_http import appends, events_until, session_update, ws_url
+
+    pcm = (utterance(NAMED) * 32767).astype("<i2").tobytes() + bytes(16000)
+
+    async def run(prompt: str) -> str:
+        async with websockets.connect(ws_url(http_server)) as ws:
+            await ws.recv()  # session.created
+            update = json.loads(session_update({"type": "audio/pcm", "rate": 16000}))
+            update["session"]["audio"]["input"]["transcription"] = {"model": "whisper-1", "prompt": prompt}
+            await ws.send(json.dumps(update))
+            assert json.loads(await ws.recv())["type"] == "session.updated"
+            for message in appends(pcm, 3200):
+                await ws.send(message)
+            events = await events_until(ws, "conversation.item.input_audio_transcription.completed")
+            return events[-1]["transcript"]
+
+    assert "siobhan nguyen" not in asyncio.run(run("")).lower()
+    assert asyncio.run(run(PROMPT)).lower().rstrip(".") == NAMED

@@ -146,11 +146,16 @@ class DecoderFactory:
                 time.perf_counter() - started,
             )
 
+    @property
+    def can_boost(self) -> bool:
+        """Whether :meth:`boosting` can be asked (the Python beam search)."""
+        return self.lm is not None and isinstance(self.lexicon, Lexicon)
+
     def boosting(self, phrases: tuple[Phrase, ...]) -> Boosting:
         """A session's phrase boosting (its lexicon with the new words, pronounced by the G2P for a phoneme
         model, and its context graph); raises :class:`PhraseError` saying why not. Blocking (the G2P): call it
         off the event loop."""
-        if self.lm is None or not isinstance(self.lexicon, Lexicon):
+        if not self.can_boost:
             how = (
                 "greedy decoding (serve --decoder beam)"
                 if self.config.kind == "greedy"

@@ -3,8 +3,16 @@ seconds and text."""
 
 from __future__ import annotations
 
+import re
+
+from cosystream.decoding.phrases import MAX_PHRASES
 from cosystream.server.http.errors import ApiError
 from cosystream.server.servicer import CosyStreamServicer
+from cosystream.v1 import cosystream_pb2 as pb
+
+PROMPT_BOOST = 4.0  # nats per word of a prompt: half a phrase's default (a prompt is text, not a word list)
+PROMPT_MIN_LETTERS = 4  # shorter words of a prompt ("the", "and", "is") are not boosted
+_PROMPT_WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 
 OPENAI_MODELS = frozenset(
     {
@@ -17,6 +25,20 @@ OPENAI_MODELS = frozenset(
 )
 """OpenAI's transcription model names, taken for the server's default model, so that code written for
 OpenAI runs with only its base URL changed."""
+
+
+def prompt_phrases(servicer: CosyStreamServicer, model: str, prompt: str) -> list[pb.Phrase]:
+    """OpenAI's ``prompt`` (free text: names, terms, the style of earlier text) as phrases for ``model``: each
+    distinct word of at least :data:`PROMPT_MIN_LETTERS` letters, boosted by :data:`PROMPT_BOOST`; numbers
+    and symbols are left out rather than refused, and a model decoded without the Python beam search gets
+    none (a prompt is a hint: OpenAI's clients send it freely). The second pass is told the words too."""
+    index = servicer.info.model_index(model)
+    if not prompt or index is None or not servicer.models.decoder(servicer.info.models[index]).can_boost:
+        return []
+    words = dict.fromkeys(
+        w for w in _PROMPT_WORD.findall(prompt) if sum(ch.isalpha() for ch in w) >= PROMPT_MIN_LETTERS
+    )
+    return [pb.Phrase(text=word, boost=PROMPT_BOOST) for word in list(words)[:MAX_PHRASES]]
 
 
 def native_model(servicer: CosyStreamServicer, requested: str | None, param: str = "model") -> str:

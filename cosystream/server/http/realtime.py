@@ -40,7 +40,7 @@ from aiohttp import WSMsgType, web
 from cosystream.engine.scheduler import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http import HttpConfig
-from cosystream.server.http.common import native_model, seconds
+from cosystream.server.http.common import native_model, prompt_phrases, seconds
 from cosystream.server.http.native import NativeStream, StreamEnded
 from cosystream.server.http.realtime_settings import EventError, Settings, apply_update, describe
 from cosystream.server.servicer import CosyStreamServicer
@@ -89,15 +89,17 @@ class _Buffer:
             )
         elif settings.silence_ms:
             endpointing = pb.EndpointingConfig(silence_ms=settings.silence_ms)
+        model = native_model(connection.servicer, settings.model)
         config = pb.StreamingConfig(
             encoding=settings.encoding,
             sample_rate_hz=settings.sample_rate_hz,
             priority=Priority.REALTIME,
             interim_results=True,
             endpointing=endpointing,
-            model=native_model(connection.servicer, settings.model),
+            model=model,
             enable_word_time_offsets=True,
             enable_automatic_punctuation=True,  # (OpenAI's transcriptions are written text)
+            phrases=prompt_phrases(connection.servicer, model, settings.prompt),
         )
         self.stream = NativeStream(connection.servicer, config, connection.token)
         self.task = asyncio.get_running_loop().create_task(self._pump())

@@ -2,7 +2,7 @@
 
 The multipart form takes ``file`` (WAV, FLAC, OGG or MP3 at 8-48 kHz, up to ``--max-upload-audio-s`` long by
 its header; :mod:`cosystream.audio.files`), ``model``,
-``language``, ``prompt`` (accepted and not used: there is no biasing yet), ``response_format`` (``json``,
+``language``, ``prompt`` (its words boosted: ``common.prompt_phrases``), ``response_format`` (``json``,
 ``text``, ``srt``, ``vtt``, ``verbose_json``), ``timestamp_granularities[]`` (``segment``, ``word``;
 with ``verbose_json``), ``temperature`` (accepted, unused: decoding is deterministic) and ``stream``
 (server-sent events ``transcript.text.delta`` per utterance, then ``transcript.text.done``). Segments are
@@ -22,7 +22,7 @@ from aiohttp import BodyPartReader, web
 from cosystream.audio.files import AudioFile, AudioInfo, AudioTooLong, UndecodableAudio, open_audio
 from cosystream.engine.scheduler import Priority
 from cosystream.server.auth import Token
-from cosystream.server.http.common import check_language, native_model, seconds
+from cosystream.server.http.common import check_language, native_model, prompt_phrases, seconds
 from cosystream.server.http.errors import ApiError, from_status
 from cosystream.server.http.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
@@ -147,6 +147,7 @@ class Transcriber:
             model=model,
             enable_word_time_offsets=True,
             enable_automatic_punctuation=True,  # (OpenAI's transcriptions are written text)
+            phrases=prompt_phrases(self.servicer, model, form.prompt),
         )
         stream = NativeStream(self.servicer, config, token)
         feeder = asyncio.get_running_loop().create_task(stream.feed(_pcm16(audio)))
