@@ -46,6 +46,7 @@ try:
         add_connection_args,
         connection_from_args,
         describe_error,
+        read_phrases,
         read_wav,
         server_address,
     )
@@ -81,6 +82,7 @@ class CaptionConfig:
     connection: Connection = field(default_factory=Connection)  # TLS and token (--tls, --ca-cert, --token...)
     drain_timeout_s: float = 10.0
     hold_ms: float = HOLD_MS  # interim words are shown once unchanged this long (0: as they come)
+    phrases: tuple = ()  # phrase boosting (--phrases FILE): pb.Phrase
 
     def __post_init__(self) -> None:
         if self.hold_ms < 0:
@@ -493,7 +495,11 @@ class Captioner:
 
     async def _send(self, call: grpc.aio.StreamStreamCall) -> None:
         config = pb.StreamingConfig(
-            encoding=pb.LINEAR16, sample_rate_hz=self.source.rate_hz, priority=pb.REALTIME, interim_results=True
+            encoding=pb.LINEAR16,
+            sample_rate_hz=self.source.rate_hz,
+            priority=pb.REALTIME,
+            interim_results=True,
+            phrases=self.config.phrases,
         )
         limit = self.config.duration_s * self.source.rate_hz if self.config.duration_s else float("inf")
         sent = 0
@@ -579,6 +585,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="show an interim word once it has stood unchanged this long; 0 shows interims as they come "
         "(default: %(default)g)",
     )
+    parser.add_argument(
+        "--phrases",
+        type=Path,
+        help="words and phrases to expect (names, jargon), boosted: one per line, optionally a tab and a boost "
+        "(0 < boost <= 20)",
+    )
     add_connection_args(parser)
     return parser.parse_args(argv)
 
@@ -596,6 +608,7 @@ def parse_config(args: argparse.Namespace) -> CaptionConfig:
         drain_timeout_s=args.drain_timeout_s,
         hold_ms=args.hold_ms,
         connection=connection_from_args(args),
+        phrases=read_phrases(args.phrases) if args.phrases else (),
     )
 
 

@@ -30,7 +30,13 @@ if __package__ in (None, ""):  # run as a script: make `clients` importable from
 try:
     from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
     from clients.telephony.config import LOOPBACK, parse_networks, parse_port_range
-    from cosystream.v1.client import Connection, add_connection_args, connection_from_args, server_address
+    from cosystream.v1.client import (
+        Connection,
+        add_connection_args,
+        connection_from_args,
+        read_phrases,
+        server_address,
+    )
 except ModuleNotFoundError as err:  # not the Python cosystream is installed in: say which, not a traceback
     sys.exit(
         f"telephony_gateway: {err}: run it with cosystream's Python (`. .venv/bin/activate` in the checkout, "
@@ -60,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jsonl", type=Path, help="append result lines to this file instead of stdout")
     parser.add_argument("--webhook", help="also POST each result line as JSON to this URL")
     parser.add_argument("--interim-results", action="store_true", help="also output interim (non-final) results")
+    parser.add_argument(
+        "--phrases",
+        type=Path,
+        help="words and phrases to expect on every call (names, products), boosted: one per line, optionally a "
+        "tab and a boost (0 < boost <= 20)",
+    )
     parser.add_argument(
         "--rtp-timeout-s", type=float, default=20.0, help="hang up after this long without usable RTP"
     )
@@ -120,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         rtp_port_max=rtp_max,
         max_calls=args.max_calls,
         interim_results=args.interim_results,
+        phrases=read_phrases(args.phrases) if args.phrases else (),
         rtp_timeout_s=args.rtp_timeout_s,
         rtp_source=args.rtp_source,
         jitter_ms=args.jitter_ms,

@@ -418,3 +418,29 @@ def test_microphone_through_pulseaudio(server, pulse, two_utterances, tmp_path):
     assert abs((cues[1][0] - cues[0][0]) - (spans[1][0] - spans[0][0])) <= 400, (cues, spans)
     assert cues[0][1] < cues[1][0]
     assert cues[0][1] - cues[0][0] >= (spans[0][1] - spans[0][0]) - 400
+
+
+@needs_espeak
+def test_phrases_file_boosts_a_name(server, tmp_path):
+    """``--phrases FILE``: the name the model misses without it is in the captions with it."""
+    named = "the meeting with siobhan nguyen is at noon"
+    wav = write_wav(tmp_path / "named.wav", np.concatenate([silence(0.3), speech(named), silence(1.0)]))
+    phrases = tmp_path / "phrases.txt"
+    phrases.write_text("# people\nSiobhan Nguyen\t8\n\n")
+    runs = {}
+    for name, extra in (("plain", []), ("boosted", ["--phrases", str(phrases)])):
+        vtt = tmp_path / f"{name}.vtt"
+        run = run_client("--server", server.address, "--file", str(wav), "--vtt", str(vtt), *extra)
+        assert run.returncode == 0, run.stderr
+        runs[name] = " ".join(text for _, _, text in parse_subtitles(vtt.read_text(), "vtt"))
+    assert "siobhan nguyen" not in runs["plain"]
+    assert runs["boosted"] == named
+
+
+def test_a_phrases_file_that_cannot_be_read_is_one_line(tmp_path):
+    bad = tmp_path / "phrases.txt"
+    bad.write_text("Siobhan Nguyen\tloud\n")
+    run = run_client("--file", str(bad), "--phrases", str(bad))
+    assert run.returncode != 0
+    assert "phrases.txt:1: the boost after the tab must be a number, got 'loud'" in run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr

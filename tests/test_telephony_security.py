@@ -645,3 +645,16 @@ def test_the_gateway_reaches_a_tls_server_with_a_token_and_a_wrong_token_is_one_
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
     assert "--tls" in result.stderr
+
+
+def test_a_phrases_file_goes_into_every_calls_config(tmp_path):
+    from clients.telephony.asr import streaming_config
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    phrases = tmp_path / "phrases.txt"
+    phrases.write_text("Acme Corporation\t12\nZorblax\n")
+    config = config_from_args(parse_args(["--phrases", str(phrases)]))
+    assert [(p.text, p.boost) for p in config.phrases] == [("Acme Corporation", 12.0), ("Zorblax", 0.0)]
+    asr = streaming_config(pb.MULAW, False, config.phrases)
+    assert [p.text for p in asr.phrases] == ["Acme Corporation", "Zorblax"]
+    assert config_from_args(parse_args([])).phrases == ()

@@ -21,9 +21,13 @@ ENCODING_OF_CODEC = {"PCMU": pb.MULAW, "PCMA": pb.ALAW}
 SAMPLE_RATE_HZ = 8000
 
 
-def streaming_config(encoding: int, interim_results: bool) -> pb.StreamingConfig:
+def streaming_config(encoding: int, interim_results: bool, phrases=()) -> pb.StreamingConfig:
     return pb.StreamingConfig(
-        encoding=encoding, sample_rate_hz=SAMPLE_RATE_HZ, priority=pb.REALTIME, interim_results=interim_results
+        encoding=encoding,
+        sample_rate_hz=SAMPLE_RATE_HZ,
+        priority=pb.REALTIME,
+        interim_results=interim_results,
+        phrases=phrases,
     )
 
 

@@ -31,6 +31,7 @@ class GatewayConfig:
     rtp_port_max: int = 20000
     max_calls: int = 32
     interim_results: bool = False
+    phrases: tuple = ()  # phrase boosting for every call (--phrases FILE): pb.Phrase
     # No usable RTP for this long ends the call: the gateway sends BYE and flushes the last final.
     rtp_timeout_s: float = 20.0
     # Where a call's RTP is taken from: "learn" (the SDP's address, or a source inside allow that passes

@@ -242,6 +242,27 @@ WAV_HELP = (
 _PCM, _FLOAT, _ALAW, _MULAW, _EXTENSIBLE = 1, 3, 6, 7, 0xFFFE
 
 
+def read_phrases(path) -> tuple[pb.Phrase, ...]:
+    """A phrase list file for phrase boosting (``--phrases FILE``): one phrase per line, optionally a tab and
+    its boost (nats per word, 0 < boost <= 20; none: the server's default); blank lines and lines starting
+    with ``#`` are skipped. Raises ``ValueError`` naming the file and line; the server checks the phrases
+    themselves (INVALID_ARGUMENT naming the phrase)."""
+    phrases = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: {err}") from None
+    for number, line in enumerate(lines, 1):
+        text, _, boost = line.partition("\t")
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        try:
+            phrases.append(pb.Phrase(text=text.strip(), boost=float(boost) if boost.strip() else 0.0))
+        except ValueError:
+            raise ValueError(f"{path}:{number}: the boost after the tab must be a number, got {boost!r}") from None
+    return tuple(phrases)
+
+
 class WavError(ValueError):
     """A file that is not a WAV file this reader takes; the message says what is accepted."""
 
