@@ -460,3 +460,42 @@ def test_the_worklets_resampler_keeps_speech_and_rejects_aliases(denying_browser
             assert 20 * math.log10(max(gain, 1e-9)) < -50, (from_hz, hz, gain)
     same = tone_gains(browser, 16000, 16000, [1000])
     assert abs(same["1000"][0] - 1) < 0.01 and same["1000"][1] == 16000
+
+
+@needs_espeak
+def test_words_to_expect_are_boosted_in_the_captions(server, tmp_path):
+    """The page's word box goes as the session's prompt, its comma-separated terms boosted: a name the model
+    misses without it is captioned with it."""
+    rate_hz = 48000
+    wav = tmp_path / "named.wav"
+    audio = np.concatenate([silence(0.5, rate_hz), speech(NAMED, rate_hz=rate_hz), silence(1.5, rate_hz)])
+    with wave.open(str(wav), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate_hz)
+        out.writeframes(encode(audio, "LINEAR16"))
+
+    def caption(words: str) -> str:
+        with chromium(
+            "--use-fake-ui-for-media-stream",
+            "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={wav}%noloop",
+        ) as driver:
+            page = Page(driver, server.http_url)
+            page.wait(lambda: page.token_asked() is False, 10, "the page learning that the server needs no token")
+            page.element("words").send_keys(words)
+            page.click_start()
+            page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
+            assert not page.element("words").is_enabled(), "the words are the session's while it runs"
+            finals = page.wait(lambda: page.finals(), WAIT_CAPTIONS_S, "a final")
+            page.click_start()
+            page.wait(lambda: page.status()[0].startswith("Stopped"), 10, "stopped")
+            assert page.element("words").is_enabled()
+            return " ".join(finals).lower()
+
+    # ("siobhan" itself the model hears as "sheave" through Chromium's capture, boosted or not: its acoustics)
+    plain, boosted = caption(""), caption("Siobhan Nguyen, Kubernetes")
+    assert "nguyen" not in plain and "nguyen is at noon" in boosted, (plain, boosted)
+
+
+NAMED = "the meeting with siobhan nguyen is at noon"

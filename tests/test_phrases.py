@@ -236,6 +236,8 @@ def test_a_prompts_longer_words_become_phrases(server):
         (w, PROMPT_BOOST) for w in ("Call", "Siobhan's", "team", "Nguyen")
     ]
     assert prompt_phrases(servicer, "", "") == [] and prompt_phrases(servicer, "", "a b c 12") == []
+    terms = prompt_phrases(servicer, "", "Siobhan Nguyen, Kubernetes;\nAcme Corp")  # a list of terms
+    assert [(p.text, p.boost) for p in terms] == [("Siobhan Nguyen", 0), ("Kubernetes", 0), ("Acme Corp", 0)]
 
 
 @pytest.fixture(scope="module")

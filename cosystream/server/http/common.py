@@ -10,8 +10,10 @@ from cosystream.server.http.errors import ApiError
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
-PROMPT_BOOST = 4.0  # nats per word of a prompt: half a phrase's default (a prompt is text, not a word list)
-PROMPT_MIN_LETTERS = 4  # shorter words of a prompt ("the", "and", "is") are not boosted
+PROMPT_BOOST = 4.0  # nats per word of a prompt's text: half a phrase's default (text, not a word list)
+PROMPT_MIN_LETTERS = 4  # shorter words of a prompt's text ("the", "and", "is") are not boosted
+PROMPT_TERM_WORDS = 3  # a comma-separated part of a prompt this short is a term: a phrase of its own
+_PROMPT_PARTS = re.compile(r"[,;\n]+")
 _PROMPT_WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 
 OPENAI_MODELS = frozenset(
@@ -28,17 +30,27 @@ OpenAI runs with only its base URL changed."""
 
 
 def prompt_phrases(servicer: CosyStreamServicer, model: str, prompt: str) -> list[pb.Phrase]:
-    """OpenAI's ``prompt`` (free text: names, terms, the style of earlier text) as phrases for ``model``: each
-    distinct word of at least :data:`PROMPT_MIN_LETTERS` letters, boosted by :data:`PROMPT_BOOST`; numbers
-    and symbols are left out rather than refused, and a model decoded without the Python beam search gets
-    none (a prompt is a hint: OpenAI's clients send it freely). The second pass is told the words too."""
+    """OpenAI's ``prompt`` (free text: names, terms, the style of earlier text) as phrases for ``model``. A
+    part of it between commas, semicolons or line breaks of at most :data:`PROMPT_TERM_WORDS` words is a
+    term ("Siobhan Nguyen, Kubernetes"), one phrase at the default boost; in a longer part, each word of at
+    least :data:`PROMPT_MIN_LETTERS` letters is a phrase boosted by :data:`PROMPT_BOOST`. Numbers and symbols
+    are left out rather than refused, and a model decoded without the Python beam search gets none (a
+    prompt is a hint: OpenAI's clients send it freely). The second pass is told the phrases too."""
     index = servicer.info.model_index(model)
     if not prompt or index is None or not servicer.models.decoder(servicer.info.models[index]).can_boost:
         return []
-    words = dict.fromkeys(
-        w for w in _PROMPT_WORD.findall(prompt) if sum(ch.isalpha() for ch in w) >= PROMPT_MIN_LETTERS
-    )
-    return [pb.Phrase(text=word, boost=PROMPT_BOOST) for word in list(words)[:MAX_PHRASES]]
+    phrases: dict[str, float] = {}
+    for part in _PROMPT_PARTS.split(prompt):
+        words = _PROMPT_WORD.findall(part)
+        if not words:
+            continue
+        if len(words) <= PROMPT_TERM_WORDS and len(words) == len(part.split()):
+            phrases.setdefault(" ".join(words), 0.0)  # (0: the default boost)
+        else:
+            for word in words:
+                if sum(ch.isalpha() for ch in word) >= PROMPT_MIN_LETTERS:
+                    phrases.setdefault(word, PROMPT_BOOST)
+    return [pb.Phrase(text=text, boost=boost) for text, boost in list(phrases.items())[:MAX_PHRASES]]
 
 
 def native_model(servicer: CosyStreamServicer, requested: str | None, param: str = "model") -> str:

@@ -25,6 +25,7 @@ const ui = {
   start: document.getElementById("start"),
   token: document.getElementById("token"),
   tokenField: document.getElementById("token-field"),
+  words: document.getElementById("words"),
   status: document.getElementById("status"),
   level: document.getElementById("level"),
   latencyServer: document.getElementById("latency-server"),
@@ -329,20 +330,17 @@ class Session {
       return;
     }
     switch (event.type) {
-      case "session.created":
-        this.send({
-          type: "session.update",
-          session: {
-            type: "transcription",
-            audio: {
-              input: {
-                format: { type: "audio/pcm", rate: this.rateHz },
-                turn_detection: { type: "server_vad", silence_duration_ms: SILENCE_MS },
-              },
-            },
-          },
-        });
+      case "session.created": {
+        const input = {
+          format: { type: "audio/pcm", rate: this.rateHz },
+          turn_detection: { type: "server_vad", silence_duration_ms: SILENCE_MS },
+        };
+        // The words to expect go as OpenAI's transcription prompt: the server boosts them.
+        const words = ui.words.value.trim();
+        if (words) input.transcription = { prompt: words };
+        this.send({ type: "session.update", session: { type: "transcription", audio: { input } } });
         break;
+      }
       case "session.updated": {
         const rate = event.session?.audio?.input?.format?.rate;
         if (rate && rate !== this.rateHz) {
@@ -508,6 +506,7 @@ function showRunning(running) {
   ui.start.textContent = running ? "Stop" : "Start";
   ui.start.classList.toggle("running", running);
   ui.token.disabled = running;
+  ui.words.disabled = running; // (the words go with the session: a change applies from the next Start)
 }
 
 probeToken();
