@@ -127,12 +127,11 @@ class DecoderFactory:
         self.vocabulary = list(vocabulary)
         self.lm: NgramLm | None = None
         self.lexicon: Lexicon | FlashlightLexicon | None = None
-        self._spellings: dict[str, str] | None = None
         self._speller: PhonemeSpeller | None = None
         self._speller_lock = threading.Lock()
         if config.kind == "beam":
             started = time.perf_counter()
-            spellings = self._spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
+            spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
             if config.search == "flashlight":
                 self.lexicon = FlashlightLexicon(config.lm_path, self.vocabulary, spellings)
             else:
@@ -167,7 +166,7 @@ class DecoderFactory:
             with self._speller_lock:
                 if self._speller is None:
                     try:
-                        self._speller = PhonemeSpeller.from_lexicon(self._spellings or {})
+                        self._speller = PhonemeSpeller.from_lexicon(self.lexicon.words)
                     except G2PUnavailable as err:
                         raise PhraseError(f"phrases with words the model does not know: {err}") from None
                     log.info(

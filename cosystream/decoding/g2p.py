@@ -21,7 +21,7 @@ import ctypes
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 _SYNCHRONOUS = 0x02
 _CHARS_UTF8 = 1
@@ -68,7 +68,6 @@ class Espeak:
             if lib.espeak_SetVoiceByName(voice.encode()) != 0:
                 raise ValueError(f"espeak-ng has no voice {voice!r}")
         self._lib = lib
-        self.voice = voice
 
     def phonemes(self, text: str) -> list[str]:
         """espeak-ng's phoneme names for ``text``, stress and variant marks removed."""
@@ -101,7 +100,7 @@ class PhonemeSpeller:
 
     @classmethod
     def from_lexicon(
-        cls, spellings: dict[str, str], espeak: Espeak | None = None, sample: int = SAMPLE_WORDS
+        cls, spellings: Mapping[str, str], espeak: Espeak | None = None, sample: int = SAMPLE_WORDS
     ) -> PhonemeSpeller:
         """The map read off a lexicon (word -> unit string) written by espeak-ng: a spread sample of its words
         pronounced again, each name paired with the unit at its position when both have the same length, the
@@ -127,6 +126,3 @@ class PhonemeSpeller:
             spelled = "".join(self.units.get(n, "") for n in names)
             self._cache[word] = spelled if names and all(n in self.units for n in names) else None
         return self._cache[word]
-
-    def spell_all(self, words: Iterable[str]) -> dict[str, str | None]:
-        return {w: self.spell(w) for w in words}

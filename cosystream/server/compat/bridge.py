@@ -33,6 +33,7 @@ from cosystream.audio.codecs import (
 )
 from cosystream.audio.streams import COMPRESSED
 from cosystream.audio.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
+from cosystream.decoding.phrases import MAX_BOOST
 from cosystream.server.retry import retry_metadata
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
@@ -151,6 +152,17 @@ def resolve_format(
         raise CompatError(bad, "sample_rate_hertz is required unless the audio starts with a WAV header")
     check_declared(resolved)
     return resolved
+
+
+def context_phrases(speech_contexts) -> list[pb.Phrase]:
+    """Google's and Riva's ``speech_contexts`` (phrases and a boost each; Riva's word boosting sends them too)
+    as phrases. Google's boost is "typically 0 to 20" and Riva's examples use 20 and more (each scale its
+    own): a larger one is ours at most."""
+    return [
+        pb.Phrase(text=phrase, boost=min(context.boost, MAX_BOOST))
+        for context in speech_contexts
+        for phrase in context.phrases
+    ]
 
 
 class Downmixer:

@@ -31,9 +31,8 @@ from google.cloud.speech_v1.types import cloud_speech
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
-from cosystream.decoding.phrases import MAX_BOOST
 from cosystream.engine.ipc import EngineInfo
-from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
+from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation, context_phrases
 from cosystream.v1 import cosystream_pb2 as pb
 
 SERVICE_NAME = "google.cloud.speech.v1.Speech"
@@ -108,12 +107,7 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         model=info.models[model].name if model else "",
         enable_automatic_punctuation=config.enable_automatic_punctuation,
         max_alternatives=min(max(config.max_alternatives, 0), MAX_ALTERNATIVES),  # Google: "up to"
-        phrases=[
-            # Google's boost is "typically 0 to 20" and larger ones are accepted: at most ours.
-            pb.Phrase(text=phrase, boost=min(context.boost, MAX_BOOST))
-            for context in config.speech_contexts
-            for phrase in context.phrases
-        ],
+        phrases=context_phrases(config.speech_contexts),
     )
     return declared, native
 

@@ -25,10 +25,9 @@ from riva.client.proto import riva_audio_pb2 as raudio
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
-from cosystream.decoding.phrases import MAX_BOOST
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.auth import current_token
-from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation
+from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation, context_phrases
 from cosystream.server.compat.whole_file import FileLimits, open_content, recognize, recognize_channels
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
@@ -106,13 +105,7 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         model=config.model,
         enable_automatic_punctuation=config.enable_automatic_punctuation,
         max_alternatives=min(max(config.max_alternatives, 0), MAX_ALTERNATIVES),  # "up to", as Google
-        # Word boosting (riva.client.add_word_boosting_to_config): speech_contexts, phrases and a boost. Riva's
-        # examples boost by 20 and more (its scale is its own): at most ours.
-        phrases=[
-            pb.Phrase(text=phrase, boost=min(context.boost, MAX_BOOST))
-            for context in config.speech_contexts
-            for phrase in context.phrases
-        ],
+        phrases=context_phrases(config.speech_contexts),  # (riva.client.add_word_boosting_to_config)
     )
     return declared, native
 
