@@ -209,7 +209,7 @@ class HeldSecondPass:
     def __init__(self) -> None:
         self.jobs: list = []
 
-    def submit(self, key, index, audio, realtime, on_done, word_times=False) -> bool:
+    def submit(self, key, index, audio, realtime, on_done, word_times=False, hotwords="") -> bool:
         self.jobs.append((index, on_done))
         return True
 
