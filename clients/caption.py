@@ -83,6 +83,7 @@ class CaptionConfig:
     drain_timeout_s: float = 10.0
     hold_ms: float = HOLD_MS  # interim words are shown once unchanged this long (0: as they come)
     phrases: tuple = ()  # phrase boosting (--phrases FILE): pb.Phrase
+    vocabulary: str = ""  # a named vocabulary the server holds (--vocabulary NAME)
 
     def __post_init__(self) -> None:
         if self.hold_ms < 0:
@@ -500,6 +501,7 @@ class Captioner:
             priority=pb.REALTIME,
             interim_results=True,
             phrases=self.config.phrases,
+            vocabulary=self.config.vocabulary,
         )
         limit = self.config.duration_s * self.source.rate_hz if self.config.duration_s else float("inf")
         sent = 0
@@ -591,6 +593,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="words and phrases to expect (names, jargon), boosted: one per line, optionally a tab and a boost "
         "(0 < boost <= 20)",
     )
+    parser.add_argument(
+        "--vocabulary",
+        default="",
+        metavar="NAME",
+        help="a named vocabulary the server holds (serve --vocabulary NAME=FILE), boosted with --phrases",
+    )
     add_connection_args(parser)
     return parser.parse_args(argv)
 
@@ -609,6 +617,7 @@ def parse_config(args: argparse.Namespace) -> CaptionConfig:
         hold_ms=args.hold_ms,
         connection=connection_from_args(args),
         phrases=read_phrases(args.phrases) if args.phrases else (),
+        vocabulary=args.vocabulary,
     )
 
 

@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tab and a boost (0 < boost <= 20)",
     )
     parser.add_argument(
+        "--vocabulary",
+        default="",
+        metavar="NAME",
+        help="a named vocabulary the server holds (serve --vocabulary NAME=FILE), boosted on every call",
+    )
+    parser.add_argument(
         "--rtp-timeout-s", type=float, default=20.0, help="hang up after this long without usable RTP"
     )
     parser.add_argument(
@@ -133,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_calls=args.max_calls,
         interim_results=args.interim_results,
         phrases=read_phrases(args.phrases) if args.phrases else (),
+        vocabulary=args.vocabulary,
         rtp_timeout_s=args.rtp_timeout_s,
         rtp_source=args.rtp_source,
         jitter_ms=args.jitter_ms,

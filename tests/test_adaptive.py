@@ -185,7 +185,7 @@ def test_adaptive_names_must_be_served():
 SENTENCE = "the weather is nice today and we will walk to the park"
 
 
-def paced_stream(stub, data: bytes, delay_s: float = 0.0, chunk_s: float = 0.02) -> list:
+def paced_stream(stub, data: bytes, delay_s: float = 0.0, chunk_s: float = 0.02, phrases=()) -> list:
     """``data`` (LINEAR16, 16 kHz) sent as a live microphone would, ``chunk_s`` a chunk, from ``delay_s`` on;
     every result."""
     import time
@@ -198,7 +198,11 @@ def paced_stream(stub, data: bytes, delay_s: float = 0.0, chunk_s: float = 0.02)
     def requests():
         yield pb.StreamingRecognizeRequest(
             config=pb.StreamingConfig(
-                encoding=pb.LINEAR16, sample_rate_hz=16000, model="heavy", interim_results=True
+                encoding=pb.LINEAR16,
+                sample_rate_hz=16000,
+                model="heavy",
+                interim_results=True,
+                phrases=[pb.Phrase(text=text) for text in phrases],
             )
         )
         start = time.monotonic()
@@ -254,3 +258,55 @@ def test_a_loaded_server_runs_new_utterances_on_light_and_returns_to_heavy():
         again = paced_stream(stub, encode(np.concatenate([silence(0.3), utterance]), "LINEAR16"))
         assert {r.model for r in again} == {"heavy"}
         assert served.metric("cosystream_adaptive_switches_total", model="heavy", to="heavy") >= 1
+
+
+@needs_espeak
+def test_boosted_streams_moved_to_light_are_boosted_there_without_stalling_the_others(tmp_path):
+    """A stream with phrases that falls back to LIGHT gets them built for LIGHT's decoder setup off the event
+    loop (its results held meanwhile), and LIGHT hears the boosted name too: every utterance, on either
+    model. (LIGHT here is the light model with its language model compressed again: the same words, other
+    bytes, so a setup of its own, as a model with another language model has.)"""
+    import gzip
+    import shutil
+    import threading
+
+    from cosystream.models.loading import embedded_model
+
+    light = tmp_path / "light"
+    shutil.copytree(embedded_model("light"), light)
+    arpa = gzip.decompress((light / "lm.arpa.gz").read_bytes())
+    (light / "lm.arpa.gz").write_bytes(gzip.compress(arpa, compresslevel=1))
+
+    named = "the meeting with siobhan nguyen is at noon"  # (neither model hears the name unboosted)
+    utterance = np.concatenate([speech(named), silence(1.2)])
+    data = encode(np.concatenate([silence(0.3), utterance, utterance, utterance]), "LINEAR16")
+    args = ["--frontends", "1", "--model", "heavy=embedded:default", "--model", f"light={light}"]
+    args += [
+        "--adaptive",
+        "heavy=light",
+        "--adaptive-high",
+        "0.04",
+        "--adaptive-low",
+        "0.02",
+        "--final-model",
+        "off",
+    ]
+    with Served(*args) as served:
+        stub = served.stub()
+        got: dict[int, list] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: got.__setitem__(
+                    i, paced_stream(stub, data, 0.8 * i, phrases=["Siobhan Nguyen"])
+                )
+            )
+            for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        finals = [(r.model, r.transcript) for i in range(4) for r in got[i] if r.is_final]
+        assert len(finals) == 12 and {"heavy", "light"} <= {model for model, _ in finals}, finals
+        assert all(text == named for _, text in finals), finals
+        assert "are not boosted" not in "\n".join(served.log)

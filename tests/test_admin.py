@@ -141,8 +141,9 @@ class Speaker:
     """A realtime stream that speaks its sentences in turn, 20 ms per chunk at the pace of real time, until
     stopped; what it got back, and when each utterance's SPEECH_STARTED came."""
 
-    def __init__(self, stub, index: int, audio: bytes):
-        self.stub, self.audio = stub, audio
+    def __init__(self, stub, index: int, audio: bytes, **config):
+        """``config``: more StreamingConfig fields."""
+        self.stub, self.audio, self.config = stub, audio, config
         self.stop = threading.Event()
         self.responses: list[tuple[float, pb.StreamingRecognizeResponse]] = []
         self.error: grpc.RpcError | None = None
@@ -152,7 +153,9 @@ class Speaker:
 
     def _requests(self):
         yield pb.StreamingRecognizeRequest(
-            config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000, priority=pb.REALTIME)
+            config=pb.StreamingConfig(
+                encoding=pb.LINEAR16, sample_rate_hz=16000, priority=pb.REALTIME, **self.config
+            )
         )
         time.sleep(self.offset_s)
         chunk = 640  # 20 ms
@@ -256,6 +259,48 @@ def test_a_hot_swap_under_live_realtime_sessions(v2_dir):
         assert loading <= (2 * rate + slack) * (swapped - swap_started) + 5, (rate, loading)
         assert steady <= (2 * rate + slack) * (ended - freed) + 5, (rate, steady)
         assert transition <= (2 * rate + 0.05 * frames_per_s) * (freed - swapped) + 5, (rate, transition)
+
+
+@needs_espeak
+def test_boosted_streams_keep_their_phrases_across_a_swap_built_before_they_move(v2_dir, tmp_path):
+    sentence = "siobhan nguyen will meet ramaswamy at noon"  # (the name from the vocabulary, the other its own)
+    vocabulary = tmp_path / "people.txt"
+    vocabulary.write_text("Siobhan Nguyen\nAcme Corporation\n")
+    audio = encode(np.concatenate([speech(sentence), silence(0.9)]), "LINEAR16")
+    flags = ("--admin", "--frontends", "1", "--final-model", "off", "--vocabulary", f"people={vocabulary}")
+    with Served(*flags) as served:
+        v1, v2 = content_version(None), content_version(v2_dir)
+        speakers = [
+            Speaker(served.stub(), i, audio, vocabulary="people", phrases=[pb.Phrase(text="Ramaswamy")])
+            for i in range(2)
+        ]
+        try:
+            served.wait(lambda: served.info().active_sessions == 2, 60, "both sessions open")
+            time.sleep(4)
+            done = admin_cli(served, "load", DEFAULT, v2_dir)
+            assert done.returncode == 0, done.stderr
+            served.wait(lambda: served.info().loaded_model_versions == 1, 30, "the old version freed")
+            time.sleep(6)
+        finally:
+            for speaker in speakers:
+                speaker.close()
+        assert [s.error for s in speakers if s.error] == []
+        heard: dict[str, list[str]] = {}  # version -> its finals
+        for speaker in speakers:
+            utterances = speaker.utterances()
+            for index, (_, results) in utterances.items():
+                if index == max(utterances):
+                    continue  # (the one the close cut)
+                for final in (r for r in results if r.is_final):
+                    heard.setdefault(final.model_version, []).append(final.transcript)
+        assert set(heard) == {v1, v2}, heard
+        # (the names are what counts: "noon" is heard as "new" at times)
+        assert all(
+            text.startswith("siobhan nguyen will meet ramaswamy") for texts in heard.values() for text in texts
+        ), heard
+        log = "\n".join(served.log)
+        assert f"version {v2}: its vocabularies and the phrases of 1 live streams built in" in log, log
+        assert "are not boosted" not in log
 
 
 def test_failed_loads_leave_the_old_version_serving(tmp_path):

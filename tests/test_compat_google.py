@@ -254,6 +254,14 @@ BAD_CONFIGS = [
     ({"alternative_language_codes": ["es-ES"]}, "alternative_language_codes es-ES (en-US only)"),
     ({"enable_spoken_punctuation": True}, "enable_spoken_punctuation is not supported"),
     (
+        {"adaptation": {"custom_classes": [{"custom_class_id": "streets", "items": [{"value": "elm"}]}]}},
+        "adaptation.custom_classes (phrase sets and speech_contexts are boosted; classes are not)",
+    ),
+    (
+        {"adaptation": {"phrase_set_references": ["projects/p/locations/l/phraseSets/a", "b"]}},
+        "one adaptation.phrase_set_references per stream",
+    ),
+    (
         {"streaming": {"voice_activity_timeout": {"speech_start_timeout": {"seconds": 5}}}},
         "voice_activity_timeout",
     ),

@@ -70,6 +70,8 @@ def test_eval_command_on_a_directory(tmp_path):
             str(out),
             "--tilt",
             "-6",
+            "--final-model",
+            "off",  # (as serve takes it: the streaming model's finals alone)
         ],
         capture_output=True,
         text=True,
@@ -78,7 +80,7 @@ def test_eval_command_on_a_directory(tmp_path):
     assert completed.returncode == 0, completed.stderr
     assert "2 utterances" in completed.stdout and "tilted -6 dB/octave" in completed.stdout
     scores = json.loads(out.read_text())
-    assert scores["utterances"] == 2 and scores["tilt_db_per_octave"] == -6.0
+    assert scores["utterances"] == 2 and scores["tilt_db_per_octave"] == -6.0 and "final_model" not in scores
 
 
 def test_eval_reports_a_missing_set(tmp_path):

@@ -473,6 +473,7 @@ def test_a_worker_that_dies_answers_none_and_is_started_again():
 def server():
     needs_whisper()
     from cosystream.app.local import LocalServer
+    from cosystream.decoding.phrases import normalize
     from cosystream.engine.core import EngineConfig
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
@@ -480,7 +481,11 @@ def server():
     from cosystream.server.servicer import StreamOptions
 
     # A deadline no loaded test machine misses (the default is 3 s); one test shortens it.
-    stream = StreamOptions(idle_timeout_s=5.0, second_pass=SecondPassConfig(EMBEDDED, deadline_ms=30_000))
+    stream = StreamOptions(
+        idle_timeout_s=5.0,
+        second_pass=SecondPassConfig(EMBEDDED, deadline_ms=30_000),
+        vocabularies=(("people", normalize([("Siobhan Nguyen", 0), ("Zorblax Quindle", 0)])),),
+    )
     frontend = FrontendConfig(host="127.0.0.1", port=0, stream=stream, http=HttpConfig(host="127.0.0.1", port=0))
     with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=4, max_batch=4)) as srv:
         yield srv
@@ -620,6 +625,9 @@ def test_a_streams_phrases_reach_the_second_pass(server, stub):
     assert [f.final_pass for f in plain + boosted] == ["second_pass", "second_pass"]
     assert "zorblax quindle" not in plain[0].transcript
     assert boosted[0].transcript == ZORBLAX
+    named = check_event_contract(run_stream(stub, config(vocabulary="people"), data))
+    assert [f.final_pass for f in named] == ["second_pass"]
+    assert named[0].transcript == ZORBLAX  # (the named vocabulary's phrases: Whisper's prompt too)
     no_leaks(server, stub)
 
 

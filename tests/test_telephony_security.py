@@ -658,3 +658,5 @@ def test_a_phrases_file_goes_into_every_calls_config(tmp_path):
     asr = streaming_config(pb.MULAW, False, config.phrases)
     assert [p.text for p in asr.phrases] == ["Acme Corporation", "Zorblax"]
     assert config_from_args(parse_args([])).phrases == ()
+    config = config_from_args(parse_args(["--vocabulary", "customers"]))
+    assert streaming_config(pb.MULAW, False, config.phrases, config.vocabulary).vocabulary == "customers"

@@ -21,13 +21,14 @@ ENCODING_OF_CODEC = {"PCMU": pb.MULAW, "PCMA": pb.ALAW}
 SAMPLE_RATE_HZ = 8000
 
 
-def streaming_config(encoding: int, interim_results: bool, phrases=()) -> pb.StreamingConfig:
+def streaming_config(encoding: int, interim_results: bool, phrases=(), vocabulary: str = "") -> pb.StreamingConfig:
     return pb.StreamingConfig(
         encoding=encoding,
         sample_rate_hz=SAMPLE_RATE_HZ,
         priority=pb.REALTIME,
         interim_results=interim_results,
         phrases=phrases,
+        vocabulary=vocabulary,
     )
 
 

@@ -139,7 +139,9 @@ class AudioSocketServer:
         info = CallInfo(str(uuid.UUID(bytes=first[1])))
         asr = AsrStream(
             self._stub,
-            streaming_config(pb.LINEAR16, self.config.interim_results, self.config.phrases),
+            streaming_config(
+                pb.LINEAR16, self.config.interim_results, self.config.phrases, self.config.vocabulary
+            ),
             lambda result: self._sink.write(info, result),
         )
         logger.info("AudioSocket call %s from %s:%d", info.call_id, *peer[:2])

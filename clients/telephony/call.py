@@ -107,7 +107,7 @@ class RtpCall:
         self.jitter = JitterBuffer(payload_type, SILENCE_BYTE[codec], depth_packets=max(config.jitter_ms // 20, 0))
         self.asr = AsrStream(
             stub,
-            streaming_config(ENCODING_OF_CODEC[codec], config.interim_results, config.phrases),
+            streaming_config(ENCODING_OF_CODEC[codec], config.interim_results, config.phrases, config.vocabulary),
             lambda result: sink.write(info, result),
         )
         self._malformed = malformed

@@ -32,6 +32,7 @@ class GatewayConfig:
     max_calls: int = 32
     interim_results: bool = False
     phrases: tuple = ()  # phrase boosting for every call (--phrases FILE): pb.Phrase
+    vocabulary: str = ""  # a named vocabulary the server holds, for every call (--vocabulary NAME)
     # No usable RTP for this long ends the call: the gateway sends BYE and flushes the last final.
     rtp_timeout_s: float = 20.0
     # Where a call's RTP is taken from: "learn" (the SDP's address, or a source inside allow that passes

@@ -98,6 +98,34 @@ def parse_adaptive_arg(value: str) -> tuple[str, str]:
     return heavy, light
 
 
+def parse_vocabulary_arg(value: str) -> tuple[str, str]:
+    """``--vocabulary NAME=FILE`` -> (NAME, FILE)."""
+    from cosystream.decoding.phrases import VOCABULARY_NAME
+
+    name, sep, path = value.partition("=")
+    if not sep or not path or not VOCABULARY_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give NAME=FILE, NAME of letters, digits, '_', '.' and '-' (at most 64)"
+        )
+    return name, path
+
+
+def read_vocabularies(pairs: list[tuple[str, str]]) -> tuple:
+    """The ``--vocabulary`` files, read and checked: ``((name, phrases), ...)`` (ValueError, one line, if not)."""
+    from cosystream.decoding.phrases import PhraseError, read_vocabulary
+
+    vocabularies: dict[str, tuple] = {}
+    for name, path in pairs:
+        if name in vocabularies:
+            raise ValueError(f"--vocabulary {name}=...: given twice")
+        try:
+            vocabularies[name] = read_vocabulary(path)
+        except PhraseError as err:
+            raise ValueError(f"--vocabulary {name}={err}") from None
+        log.info("vocabulary %s: %d phrases from %s", name, len(vocabularies[name]), path)
+    return tuple(vocabularies.items())
+
+
 def adaptive_config(args: argparse.Namespace):
     """``--adaptive`` and its marks, checked against the served models (ValueError, one line); None without."""
     from cosystream.engine.adaptive import AdaptiveConfig
@@ -347,6 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]DTYPE",
         help="serve model NAME (no NAME: every model) at DTYPE: float32 (the default), bfloat16, float16 (CUDA "
         "only) or int8 (CPU only, dynamic quantization); see docs/MODELS.md for what each costs in accuracy",
+    )
+    serve.add_argument(
+        "--vocabulary",
+        action="append",
+        type=parse_vocabulary_arg,
+        default=[],
+        metavar="NAME=FILE",
+        help="a named vocabulary: FILE's phrases (one per line, optionally a tab and its boost; up to 100000) "
+        "boosted for the streams that ask for NAME (StreamingConfig.vocabulary), built once per model; "
+        "repeatable (docs/MODELS.md, 'Phrase boosting')",
     )
     serve.add_argument(
         "--adaptive",
@@ -614,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--final-model",
         default=None,
         help="finals from this second pass too, as serve --final-model (embedded:whisper-tiny-en or a "
-        "CTranslate2 Whisper directory): WER/CER of the finals beside the streaming model's alone",
+        "CTranslate2 Whisper directory): WER/CER of the finals beside the streaming model's alone; off (the "
+        "default): the streaming model's alone",
     )
     add_decoder_args(evaluate)
     return parser
@@ -644,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json,
             args.show,
             args.precision,
-            args.final_model,
+            None if args.final_model == "off" else args.final_model,
         )
     from cosystream.app.transcribe import transcribe_command
 
@@ -762,6 +801,7 @@ def serve(args: argparse.Namespace) -> int:
         sys.exit("--frontends must be >= 1")
     try:
         args.models = served_models(args)
+        args.vocabularies = read_vocabularies(args.vocabulary)
     except (OSError, ValueError) as err:
         sys.exit(f"cosystream serve: {err}")
     run_dir = tempfile.mkdtemp(prefix="cosystream-")
@@ -811,6 +851,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             frontends=args.frontends,
             decoder=decoder,
             decoders=decoders,
+            vocabularies=getattr(args, "vocabularies", ()),
             second_pass=None
             if (final_model := second_pass_model(args.final_model)) is None
             else SecondPassConfig(

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ LM_FILE = "lm.arpa.gz"
 DECODERS = ("auto", "greedy", "beam")
 SEARCHES = ("auto", "flashlight", "python")  # which beam search: auto is flashlight when it is installed
 BEAM_TOP_K = 8  # token candidates per frame the engine sends for beam search
+BOOSTINGS_CACHED = 256  # sessions' phrase lists kept built per model (sessions sending the same list share it)
 
 
 def _installed_search() -> str:
@@ -129,6 +131,13 @@ class DecoderFactory:
         self.lexicon: Lexicon | FlashlightLexicon | None = None
         self._speller: PhonemeSpeller | None = None
         self._speller_lock = threading.Lock()
+        self._python: tuple[NgramLm, Lexicon] | None = None  # the Python search's, for boosted sessions
+        self._python_lock = threading.Lock()
+        self._named: dict[str, Boosting] = {}  # named vocabularies, built once (under their lock)
+        self._named_lock = threading.Lock()
+        # (vocabulary name, phrases) -> what they built: the last BOOSTINGS_CACHED asked
+        self._built: OrderedDict[tuple, Boosting] = OrderedDict()
+        self._built_lock = threading.Lock()
         if config.kind == "beam":
             started = time.perf_counter()
             spellings = read_spellings(config.lexicon_path) if config.lexicon_path else None
@@ -147,39 +156,119 @@ class DecoderFactory:
 
     @property
     def can_boost(self) -> bool:
-        """Whether :meth:`boosting` can be asked (the Python beam search)."""
-        return self.lm is not None and isinstance(self.lexicon, Lexicon)
+        """Whether :meth:`boosting` can be asked (beam search: a boosted session runs the Python search, which
+        has the phrases' lexicon and context graph, also where the others run flashlight's)."""
+        return self.config.kind == "beam"
 
-    def boosting(self, phrases: tuple[Phrase, ...]) -> Boosting:
-        """A session's phrase boosting (its lexicon with the new words, pronounced by the G2P for a phoneme
-        model, and its context graph); raises :class:`PhraseError` saying why not. Blocking (the G2P): call it
-        off the event loop."""
+    def _cannot_boost(self) -> PhraseError:
+        return PhraseError(
+            "phrases need beam search: this server decodes this model greedily (serve --decoder beam)"
+        )
+
+    def _python_search(self) -> tuple[NgramLm, Lexicon]:
+        """The Python search's language model and lexicon: this factory's, or, where it runs the flashlight
+        search, loaded the first time a session boosts (seconds: the default model's in 3.6 s). Blocking."""
+        if self._python is None:
+            with self._python_lock:
+                if self._python is None:
+                    if isinstance(self.lexicon, Lexicon):
+                        self._python = (self.lm, self.lexicon)
+                    else:
+                        started = time.perf_counter()
+                        spellings = read_spellings(self.config.lexicon_path) if self.config.lexicon_path else None
+                        lm = NgramLm.load(self.config.lm_path)
+                        self._python = (lm, Lexicon.from_lm(lm, self.vocabulary, spellings))
+                        log.info(
+                            "the Python beam search for sessions with phrases (flashlight's has no phrase "
+                            "boosting): %s loaded in %.1f s",
+                            self.config.lm_path,
+                            time.perf_counter() - started,
+                        )
+        return self._python
+
+    def _spell(self):
+        """The G2P's speller for a phoneme model (None for a model spelled by letters)."""
+        lexicon = self._python_search()[1]
+        if lexicon.spelled:
+            return None
+        with self._speller_lock:
+            if self._speller is None:
+                try:
+                    self._speller = PhonemeSpeller.from_lexicon(lexicon.words)
+                except G2PUnavailable as err:
+                    raise PhraseError(f"phrases with words the model does not know: {err}") from None
+                log.info(
+                    "G2P (espeak-ng) for new words: %d phonemes mapped, %.1f%% of sampled lexicon words "
+                    "pronounced as the lexicon has them",
+                    len(self._speller.units),
+                    100 * self._speller.agreement,
+                )
+        return self._speller.spell
+
+    def named(self, name: str, phrases: tuple[Phrase, ...]) -> Boosting:
+        """The named vocabulary ``name`` (its ``phrases``: ``serve --vocabulary``) built for this model, once;
+        phrases whose words the model cannot spell are left out and logged. Blocking: call it off the event
+        loop."""
         if not self.can_boost:
-            how = (
-                "greedy decoding (serve --decoder beam)"
-                if self.config.kind == "greedy"
-                else "the flashlight search"
-            )
-            raise PhraseError(f"phrases need the Python beam search: this server decodes this model with {how}")
-        spell = None
-        if not self.lexicon.spelled:
-            with self._speller_lock:
-                if self._speller is None:
-                    try:
-                        self._speller = PhonemeSpeller.from_lexicon(self.lexicon.words)
-                    except G2PUnavailable as err:
-                        raise PhraseError(f"phrases with words the model does not know: {err}") from None
-                    log.info(
-                        "G2P (espeak-ng) for new words: %d phonemes mapped, %.1f%% of sampled lexicon words "
-                        "pronounced as the lexicon has them",
-                        len(self._speller.units),
-                        100 * self._speller.agreement,
-                    )
-            spell = self._speller.spell
-        return Boosting.build(phrases, self.lexicon, self.lm, self.config.beam.alpha, spell)
+            raise self._cannot_boost()
+        with self._named_lock:
+            built = self._named.get(name)
+            if built is None:
+                started = time.perf_counter()
+                lm, lexicon = self._python_search()
+                built = Boosting.build(phrases, lexicon, lm, self.config.beam.alpha, self._spell(), skip=True)
+                log.info(
+                    "vocabulary %s: %d phrases built in %.2f s%s",
+                    name,
+                    len(built.phrases),
+                    time.perf_counter() - started,
+                    f"; {len(built.dropped)} left out, the model cannot spell them: "
+                    + ", ".join(repr(p) for p in built.dropped[:10])
+                    + (" ..." if len(built.dropped) > 10 else "")
+                    if built.dropped
+                    else "",
+                )
+                self._named[name] = built
+        return built
+
+    def cached(self, phrases: tuple[Phrase, ...], vocabulary: tuple[str, tuple[Phrase, ...]] | None = None):
+        """What :meth:`boosting` built for these arguments, if it still holds it (never blocks); else None."""
+        if not phrases:
+            return None if vocabulary is None else self._named.get(vocabulary[0])
+        return self._built.get((vocabulary[0] if vocabulary else None, phrases))
+
+    def boosting(
+        self, phrases: tuple[Phrase, ...], vocabulary: tuple[str, tuple[Phrase, ...]] | None = None
+    ) -> Boosting:
+        """A session's phrase boosting (its lexicon with the new words, pronounced by the G2P for a phoneme
+        model, and its context graph), on the named ``vocabulary`` ((name, phrases)) if it names one; raises
+        :class:`PhraseError` saying why not. Sessions asking for the same are given the same (it is read-only).
+        Blocking (the G2P): call it off the event loop."""
+        if not self.can_boost:
+            raise self._cannot_boost()
+        base = None if vocabulary is None else self.named(*vocabulary)
+        if not phrases:
+            return base
+        key = (vocabulary[0] if vocabulary else None, phrases)
+        with self._built_lock:
+            built = self._built.get(key)
+            if built is not None:
+                self._built.move_to_end(key)
+                return built
+        # (built outside the lock: two sessions asking for the same at once may both build it, and one is kept)
+        lm, lexicon = self._python_search()
+        built = Boosting.build(phrases, lexicon, lm, self.config.beam.alpha, self._spell(), base)
+        with self._built_lock:
+            self._built[key] = built
+            while len(self._built) > BOOSTINGS_CACHED:
+                self._built.popitem(last=False)
+        return built
 
     def __call__(self, boosting: Boosting | None = None) -> CtcDecoder | BeamCtcDecoder | FlashlightCtcDecoder:
-        """A fresh decoder; ``boosting`` (from :meth:`boosting`): the session's phrases."""
+        """A fresh decoder; ``boosting`` (from :meth:`boosting`): the session's phrases (the Python search)."""
+        if boosting is not None:
+            lm = self._python_search()[0]
+            return BeamCtcDecoder(self.vocabulary, lm, boosting.lexicon, self.config.beam, FRAME_MS, boosting)
         if isinstance(self.lexicon, FlashlightLexicon):
             return FlashlightCtcDecoder(self.vocabulary, self.lexicon, self.config.beam, FRAME_MS)
         if self.lm is None:

@@ -21,6 +21,11 @@ and a boost (nats per word, 0 < boost <= :data:`MAX_BOOST`; 0 in a request means
 
 The language model is unchanged and shared; a word it does not know scores its ``<unk>``. A session without
 phrases has no Boosting and pays nothing.
+
+**Named vocabularies** (``serve --vocabulary NAME=FILE``: :func:`read_vocabulary`) are lists too large to send
+with every session (up to :data:`MAX_VOCABULARY_PHRASES`): built once per model (phrases whose words the
+model cannot spell are left out, and said), and a session that names one and sends phrases of its own builds
+on it (``base``), paying for its own phrases only.
 """
 
 from __future__ import annotations
@@ -38,6 +43,20 @@ MAX_PHRASE_CHARS = 10_000  # all of a session's phrases together
 MAX_PHRASE_WORDS = 10
 MAX_BOOST = 20.0
 DEFAULT_BOOST = 8.0  # nats per word, for a phrase sent without one (measured: docs/MODELS.md, "Phrase boosting")
+MAX_VOCABULARY_PHRASES = 100_000  # a named vocabulary's (serve --vocabulary NAME=FILE)
+MAX_VOCABULARY_CHARS = 2_000_000
+VOCABULARY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def vocabulary_boost(phrases: int) -> float:
+    """The boost of a named vocabulary's phrase given without one: :data:`DEFAULT_BOOST` for a list of up to
+    ~100 phrases, less for longer ones (2 nats per word at 10,000 phrases, 1 at 100,000). Measured with
+    ``benchmarks/phrases.py`` on lists of made-up words (a worst case: short words everywhere in the trie):
+    at the default of 8, 10,000 of them took ordinary speech from 0% to 21% WER, 1,000 to 1.7%; at 2 nats
+    10,000 leave it at 0% and still find 46% of the terms (54% alone at 8)."""
+    return min(DEFAULT_BOOST, 4.0 * (1000 / max(phrases, 1)) ** 0.3)
+
+
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)*")
 _SPLIT = re.compile(r"[\s\-]+")
 _DROP = re.compile(r"[.,!?;:\"()\[\]]")
@@ -53,16 +72,18 @@ class Phrase:
     boost: float
 
 
-def normalize(phrases: Iterable[tuple[str, float]]) -> tuple[Phrase, ...]:
+def normalize(
+    phrases: Iterable[tuple[str, float]], max_phrases: int = MAX_PHRASES, max_chars: int = MAX_PHRASE_CHARS
+) -> tuple[Phrase, ...]:
     """``(text, boost)`` pairs as the model's words, checked against the limits (:class:`PhraseError`)."""
     out: list[Phrase] = []
     chars = 0
     for number, (text, boost) in enumerate(phrases, 1):
-        if number > MAX_PHRASES:
-            raise PhraseError(f"more than {MAX_PHRASES} phrases")
+        if number > max_phrases:
+            raise PhraseError(f"more than {max_phrases} phrases")
         chars += len(text)
-        if chars > MAX_PHRASE_CHARS:
-            raise PhraseError(f"phrases of more than {MAX_PHRASE_CHARS} characters in all (at phrase {number})")
+        if chars > max_chars:
+            raise PhraseError(f"phrases of more than {max_chars} characters in all (at phrase {number})")
         if not math.isfinite(boost) or not 0 <= boost <= MAX_BOOST:
             raise PhraseError(f"phrase {text!r}: boost {boost} is out of range (0 < boost <= {MAX_BOOST:g})")
         words = tuple(w for w in _SPLIT.split(_DROP.sub("", text.lower())) if w)
@@ -80,6 +101,44 @@ def normalize(phrases: Iterable[tuple[str, float]]) -> tuple[Phrase, ...]:
     return tuple(out)
 
 
+def read_vocabulary(path) -> tuple[Phrase, ...]:
+    """A named vocabulary's file: one phrase per line, optionally a tab and its boost (nats per word; none:
+    :func:`vocabulary_boost` of the list's length), blank lines and lines starting with ``#`` skipped (the format of the clients' ``--phrases``
+    files), at most :data:`MAX_VOCABULARY_PHRASES` phrases and :data:`MAX_VOCABULARY_CHARS` characters.
+    Raises :class:`PhraseError` naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise PhraseError(f"{path}: {err}") from None
+    pairs: list[tuple[str, float]] = []
+    where: list[int] = []
+    for number, line in enumerate(lines, 1):
+        text, _, boost = line.partition("\t")
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        try:
+            pairs.append((text.strip(), float(boost) if boost.strip() else 0.0))
+        except ValueError:
+            raise PhraseError(
+                f"{path}:{number}: the boost after the tab must be a number, got {boost!r}"
+            ) from None
+        where.append(number)
+    if not pairs:
+        raise PhraseError(f"{path}: no phrases")
+    default = vocabulary_boost(len(pairs))
+    pairs = [(text, boost or default) for text, boost in pairs]
+    try:
+        return normalize(pairs, MAX_VOCABULARY_PHRASES, MAX_VOCABULARY_CHARS)
+    except PhraseError as err:  # (which line: the phrase normalize() stopped at)
+        for number, pair in zip(where, pairs, strict=True):
+            try:
+                normalize([pair])
+            except PhraseError:
+                raise PhraseError(f"{path}:{number}: {err}") from None
+        raise PhraseError(f"{path}: {err}") from None
+
+
 class _Node:
     __slots__ = ("bonus", "children")
 
@@ -91,18 +150,32 @@ class _Node:
 class Boosting:
     """One session's phrases: its lexicon, its words' boosts and its context graph (the module docstring)."""
 
-    __slots__ = ("boosts", "lexicon", "phrases", "root")
+    __slots__ = ("boosts", "dropped", "lexicon", "phrases", "root")
 
-    def __init__(self, phrases: tuple[Phrase, ...], lexicon: Lexicon) -> None:
-        self.phrases = phrases
+    def __init__(self, phrases: tuple[Phrase, ...], lexicon: Lexicon, base: Boosting | None = None) -> None:
+        """``base``: a Boosting these phrases add to (a named vocabulary), shared and unchanged: only the
+        context graph's nodes on these phrases' paths are copied."""
+        self.phrases = phrases  # (these, not the base's)
         self.lexicon = lexicon
-        self.boosts: dict[str, float] = {}  # word -> its boost (the largest of the phrases it is in)
+        self.dropped: tuple[str, ...] = ()  # phrases left out as the model cannot spell them (build(skip=True))
+        # word -> its boost (the largest of the phrases it is in)
+        self.boosts: dict[str, float] = dict(base.boosts) if base is not None else {}
         self.root = _Node()
+        copied = {id(self.root)}
+        if base is not None:
+            self.root.children = dict(base.root.children)
         for phrase in phrases:
             node = self.root
             for word in phrase.words:
                 self.boosts[word] = max(self.boosts.get(word, 0.0), phrase.boost)
-                node = node.children.setdefault(word, _Node())
+                child = node.children.get(word)
+                if child is None or id(child) not in copied:
+                    fresh = _Node()
+                    if child is not None:
+                        fresh.children, fresh.bonus = dict(child.children), child.bonus
+                    child = node.children[word] = fresh
+                    copied.add(id(child))
+                node = child
             if len(phrase.words) > 1:
                 node.bonus = max(node.bonus, phrase.boost)
 
@@ -114,23 +187,42 @@ class Boosting:
         lm: NgramLm,
         alpha: float,
         spell: Callable[[str], str | None] | None = None,
+        base: Boosting | None = None,
+        skip: bool = False,
     ) -> Boosting:
         """``spell``: a new word's spelling in the model's tokens (None: unpronounceable); for a lexicon spelled
         by letters, the word itself. ``alpha``: the search's language model weight (a lookahead is weighted by
-        it)."""
+        it). ``base``: a Boosting built for ``lexicon`` to add these phrases to (its lexicon is extended in turn).
+        ``skip``: a phrase with a word the model cannot spell is left out (listed in ``dropped``) rather than
+        refused."""
+        if base is not None:
+            lexicon = base.lexicon
         known = lexicon.words
         new: dict[str, str] = {}
+        kept: list[Phrase] = []
+        dropped: list[str] = []
         for phrase in phrases:
+            spellings: dict[str, str] = {}
             for word in phrase.words:
-                if word in known or word in new:
+                if word in known or word in new or word in spellings:
                     continue
                 spelling = word if lexicon.spelled or spell is None else spell(word)
                 if not spelling or any(ch not in lexicon.ids for ch in spelling):
                     text = " ".join(phrase.words)
+                    if skip:
+                        dropped.append(text)
+                        break
                     raise PhraseError(f"phrase {text!r}: the model cannot spell {word!r}")
-                new[word] = spelling
-        boosting = cls(phrases, lexicon)
-        lookahead = {w: (lm.score((), w)[0], b / alpha) for w, b in boosting.boosts.items()}
+                spellings[word] = spelling
+            else:
+                new.update(spellings)
+                kept.append(phrase)
+        boosting = cls(tuple(kept), lexicon, base)
+        boosting.dropped = tuple(dropped)
+        # (only these phrases' words: the base's are credited on its lexicon already, and a path's credit is
+        # the largest asked, so a word both boost is credited by the larger)
+        words = {word for phrase in kept for word in phrase.words}
+        lookahead = {w: (lm.score((), w)[0], boosting.boosts[w] / alpha) for w in words}
         boosting.lexicon = lexicon.extended(new, lookahead, lambda w: known.get(w) or new[w])
         return boosting
 

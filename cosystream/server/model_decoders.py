@@ -5,6 +5,11 @@ loads while serving is made ready here before it serves (``prepare``, answering 
 language model is read in a low-priority thread while the streams go on); when the engine's models change
 (``models_changed``) those no longer served are dropped. Models alike (same decoder config, vocabulary, and
 language model and lexicon of the same contents) share one setup.
+
+Phrase boosting is made ready the same way: the named vocabularies are built for each setup in a
+low-priority thread at start-up and as a new version is prepared, and so are the phrase lists of the streams
+live on that model, so that a stream moved to the new version finds its own built (``DecoderFactory.cached``)
+instead of building it on the event loop.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import hashlib
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from cosystream.decoding.config import DecoderConfig, DecoderFactory
+from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -34,12 +42,29 @@ def fingerprint(path: str | None) -> tuple | None:
     return (os.path.getsize(path), digest.hexdigest())
 
 
+def _lowest_priority() -> None:
+    """This thread at the lowest CPU priority (Linux schedules threads on their own): reading a language model
+    or building a vocabulary takes seconds of CPU that the frontend's streams and the engine need more."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class ModelDecoders:
-    def __init__(self, engine, decoder: DecoderConfig, resolved: tuple[tuple[str, DecoderConfig], ...] = ()):
+    def __init__(
+        self,
+        engine,
+        decoder: DecoderConfig,
+        resolved: tuple[tuple[str, DecoderConfig], ...] = (),
+        vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = (),
+        phrase_lists: Callable[[str], list[tuple[tuple[Phrase, ...], str]]] = lambda model: [],
+    ):
         """``engine``: its ``info`` is the truth (``engine_client.Engine``); ``decoder``: the decoder asked for,
         resolved against each model's files; ``resolved``: the app's result for the models served at start-up,
-        by name."""
+        by name; ``vocabularies``: the named vocabularies (name, phrases); ``phrase_lists``: the (phrases,
+        vocabulary name) of the live streams on a model, by its name (called on the event loop)."""
         self.engine = engine
+        self.vocabularies = dict(vocabularies)
+        self._phrase_lists = phrase_lists
         self.decoder_config = decoder
         by_name = dict(resolved)
         # (for those files only: a version loaded later under one of these names is resolved against its own)
@@ -53,6 +78,25 @@ class ModelDecoders:
             self._by_id[model.id] = ((model.path, model.version), self._make(model))
         engine.on_prepare = self.prepare
         engine.on_models = self.models_changed
+        if self.vocabularies:
+            factories = list({id(f): f for _, f in self._by_id.values()}.values())
+            threading.Thread(
+                target=lambda: [self._build(f, []) for f in factories], daemon=True, name="vocabularies"
+            ).start()
+
+    def _build(self, factory: DecoderFactory, lists: list[tuple[tuple[Phrase, ...], str]]) -> None:
+        """Build the named vocabularies and ``lists`` for ``factory`` (at the lowest priority, in this thread)."""
+        _lowest_priority()
+        if not factory.can_boost:
+            return
+        for name, phrases in self.vocabularies.items():
+            try:
+                factory.named(name, phrases)
+            except PhraseError as err:
+                log.warning("vocabulary %s cannot be boosted: %s", name, err)
+        for phrases, name in lists:
+            with contextlib.suppress(PhraseError):  # (the stream is told when it moves)
+                factory.boosting(phrases, (name, self.vocabularies[name]) if name else None)
 
     def decoder(self, model: ModelInfo) -> DecoderFactory:
         """What makes decoders for ``model``; raises ``ValueError`` saying why it cannot be decoded."""
@@ -86,16 +130,24 @@ class ModelDecoders:
         decoded."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
+        lists = self._phrase_lists(model.name)
 
         def prepare() -> None:
-            # At the lowest CPU priority (Linux schedules threads on their own): reading a language model takes
-            # seconds of CPU that this frontend's streams and the engine need more.
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            _lowest_priority()
             try:
                 outcome = (self._make(model), "")
             except (ValueError, OSError) as err:
                 outcome = (None, str(err) or type(err).__name__)
+            if outcome[0] is not None and (lists or self.vocabularies):
+                started = time.perf_counter()
+                self._build(outcome[0], lists)
+                log.info(
+                    "model %s version %s: its vocabularies and the phrases of %d live streams built in %.2f s",
+                    model.name,
+                    model.version,
+                    len(lists),
+                    time.perf_counter() - started,
+                )
             loop.call_soon_threadsafe(done.set_result, outcome)
 
         # (A thread of its own, not the default pool's: its lowered priority dies with it.)

@@ -33,7 +33,7 @@ from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.audio.streams import COMPRESSED, OPUS_RATES_HZ, AudioFormatError, codecs_available
 from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
-from cosystream.decoding.phrases import PhraseError
+from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.decoding.phrases import normalize as normalize_phrases
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
@@ -81,6 +81,8 @@ class StreamOptions:
     decoders: tuple[tuple[str, DecoderConfig], ...] = ()
     # Finals from a second-pass Whisper model (serve --final-model, --final-deadline-ms); None: off.
     second_pass: SecondPassConfig | None = None
+    # Named vocabularies (serve --vocabulary NAME=FILE): name -> its phrases (decoding.phrases.read_vocabulary).
+    vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.realtime_burst_s >= 0:
@@ -103,10 +105,19 @@ def stream_encodings() -> list[AudioEncoding]:
 FINAL_PASSES = ("", STREAMING, SECOND_PASS)
 
 
+HOTWORD_CHARS = 1000  # of a session's phrases and its named vocabulary's, for the second pass's prompt (which
+# holds some 224 tokens: faster-whisper's hotwords limit)
+
+
 def validate_config(
-    config: pb.StreamingConfig, info: EngineInfo, defaults: EndpointingConfig, second_pass: bool = False
+    config: pb.StreamingConfig,
+    info: EngineInfo,
+    defaults: EndpointingConfig,
+    second_pass: bool = False,
+    vocabularies: dict[str, tuple[Phrase, ...]] | None = None,
 ) -> SessionConfig:
-    """``second_pass``: whether the server runs one (a stream that asks for it is refused otherwise)."""
+    """``second_pass``: whether the server runs one (a stream that asks for it is refused otherwise);
+    ``vocabularies``: the server's named vocabularies, by name."""
     if config.encoding not in AudioEncoding._value2member_map_:
         raise ConfigError(
             f"unknown encoding {config.encoding}: use {', '.join(e.name for e in stream_encodings())}"
@@ -165,6 +176,19 @@ def validate_config(
         phrases = normalize_phrases((phrase.text, phrase.boost) for phrase in config.phrases)
     except PhraseError as err:
         raise ConfigError(f"phrases: {err}") from None
+    vocabularies = vocabularies or {}
+    if config.vocabulary and config.vocabulary not in vocabularies:
+        there = ", ".join(sorted(vocabularies)) or "none (serve --vocabulary NAME=FILE)"
+        raise ConfigError(f"unknown vocabulary {config.vocabulary!r}: this server has {there}")
+    hotwords = [phrase.text.strip() for phrase in config.phrases]
+    if config.vocabulary:  # (the second pass's prompt: the session's own first, then the vocabulary's)
+        length = sum(len(word) + 2 for word in hotwords)
+        for phrase in vocabularies[config.vocabulary]:
+            text = " ".join(phrase.words)
+            length += len(text) + 2
+            if length > HOTWORD_CHARS:
+                break
+            hotwords.append(text)
     return SessionConfig(
         encoding=encoding,
         sample_rate_hz=rate,
@@ -177,7 +201,8 @@ def validate_config(
         punctuation=config.enable_automatic_punctuation,
         max_alternatives=max(1, config.max_alternatives),
         phrases=phrases,
-        hotwords=", ".join(phrase.text.strip() for phrase in config.phrases),
+        vocabulary=config.vocabulary,
+        hotwords=", ".join(hotwords),
     )
 
 
@@ -269,12 +294,17 @@ class _Stream:
         priority_label = config.priority.name.lower()
         model: ModelInfo = servicer.info.models[config.model]
         self.model_id = model.id  # the engine's id of the model version it runs
+        self.model_name = model.name
         self.phrases = config.phrases
+        self.vocabulary = servicer.vocabulary(config.vocabulary)  # (name, phrases), or None
+        self.boosting = config.boosting
+        self.factory = servicer.models.decoder(model)
+        self._held: list | None = None  # engine events held while a moved stream's decoder is built
         self.session = Session(
             self.key,
             self.session_id,
             config,
-            servicer.models.decoder(model)(config.boosting),
+            self.factory(config.boosting),
             self.engine,
             self.responses.put,
             max_in_flight_frames=servicer.options.max_in_flight_frames,
@@ -313,6 +343,9 @@ class _Stream:
             self.on_moved(model)
 
     def on_moved(self, model: int) -> None:
+        if self._held is not None:  # (the last move's decoder is still being built)
+            self._held.append(lambda: self.on_moved(model))
+            return
         info = self.servicer.model_by_id(model)
         if info is None:  # (the engine announces a model before it names it: a bug)
             log.error(
@@ -321,13 +354,48 @@ class _Stream:
             self._fail(grpc.StatusCode.INTERNAL, "the server lost track of its models")
             return
         self.model_id = model
+        self.model_name = info.name  # (the same name, or LIGHT for HEAVY under load: serve --adaptive)
         factory = self.servicer.models.decoder(info)
-        boosting = None
-        if self.phrases:  # (the new version's lexicon: its words again, here, as a swap is rare)
+        if not (self.phrases or self.vocabulary):
+            self._use(factory, info, None)
+            return
+        # A new version sharing the old one's setup keeps what was built for it; otherwise the phrases were
+        # built for it while it was prepared (ModelDecoders.prepare: those of the streams on its model).
+        boosting = self.boosting if factory is self.factory else factory.cached(self.phrases, self.vocabulary)
+        if boosting is not None:
+            self._use(factory, info, boosting)
+            return
+        # Not built yet (another model's, as --adaptive moves the stream; or the stream began while the version
+        # was prepared): built off the event loop, the stream's results held until it is (milliseconds per new
+        # word; the engine steps on, its audio is read on up to max_in_flight_frames).
+        self._held = []
+        loop = asyncio.get_running_loop()
+        phrases, vocabulary = self.phrases, self.vocabulary
+
+        def build() -> None:
             try:
-                boosting = factory.boosting(self.phrases)
+                built = factory.boosting(phrases, vocabulary)
             except PhraseError as err:
                 log.warning("session %s: its phrases are not boosted on %s: %s", self.session_id, info.name, err)
+                built = None
+            loop.call_soon_threadsafe(self._built, factory, info, built)
+
+        loop.run_in_executor(None, build)
+
+    def _built(self, factory, info: ModelInfo, boosting) -> None:
+        if self.state >= StreamState.ENDED:  # (failed meanwhile: nothing more is decoded)
+            self._held = None
+            return
+        self._use(factory, info, boosting)
+        held, self._held = self._held, None
+        while held:  # (in order; a move among them may hold what follows it again)
+            held.pop(0)()
+            if self._held is not None:
+                self._held.extend(held)
+                return
+
+    def _use(self, factory, info: ModelInfo, boosting) -> None:
+        self.factory, self.boosting = factory, boosting
         self.session.use_model(factory(boosting), info.name, info.version, info.output_delay_frames)
 
     def on_refused(self, message: str, shed: bool) -> None:
@@ -335,6 +403,9 @@ class _Stream:
         self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def on_results(self, ids, logprobs, queue_s: float, compute_s: float) -> None:
+        if self._held is not None:  # (its decoder is being built: on_moved)
+            self._held.append(lambda: self.on_results(ids, logprobs, queue_s, compute_s))
+            return
         self.session.on_results(ids, logprobs, queue_s, compute_s)
         self.progress.set()
         self._check_done()
@@ -570,9 +641,26 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.options = options
         self.second_pass = second_pass
         self.metrics = metrics or FrontendMetrics()
-        self.models = ModelDecoders(engine, options.decoder, options.decoders)
+        self._vocabularies = dict(options.vocabularies)
         self.draining = False
         self._streams: set[_Stream] = set()
+        self.models = ModelDecoders(
+            engine, options.decoder, options.decoders, options.vocabularies, self._phrase_lists
+        )
+
+    def vocabulary(self, name: str) -> tuple[str, tuple[Phrase, ...]] | None:
+        """The named vocabulary ``name`` as (name, phrases); None for "" (none asked)."""
+        return (name, self._vocabularies[name]) if name else None
+
+    def _phrase_lists(self, model: str) -> list[tuple[tuple[Phrase, ...], str]]:
+        """The phrases and named vocabularies ("": none) of the live streams on ``model`` (by name), to build
+        for its next version before their streams move to it."""
+        lists = {
+            (stream.phrases, stream.vocabulary[0] if stream.vocabulary else "")
+            for stream in self._streams
+            if (stream.phrases or stream.vocabulary) and stream.model_name == model
+        }
+        return list(lists)
 
     @property
     def info(self) -> EngineInfo:
@@ -606,14 +694,21 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         try:
             config = validate_config(
-                first.config, self.info, self.options.default_endpointing, self.second_pass is not None
+                first.config,
+                self.info,
+                self.options.default_endpointing,
+                self.second_pass is not None,
+                self._vocabularies,
             )
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        if config.phrases:
+        if config.phrases or config.vocabulary:
             factory = self.models.decoder(self.info.models[config.model])
+            vocabulary = self.vocabulary(config.vocabulary)
             try:  # (the G2P and the session's lexicon: milliseconds per new word, off the event loop)
-                boosting = await asyncio.to_thread(factory.boosting, config.phrases)
+                boosting = factory.cached(config.phrases, vocabulary) or await asyncio.to_thread(
+                    factory.boosting, config.phrases, vocabulary
+                )
             except PhraseError as err:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"phrases: {err}") from None
             config = dataclasses.replace(config, boosting=boosting)
@@ -698,6 +793,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             active_sessions=self.engine.active_sessions,
             device=info.device,
             final_model=self.second_pass.config.model if self.second_pass and self.second_pass.enabled else "",
+            vocabularies=sorted(self._vocabularies),
             default_endpointing=pb.EndpointingConfig(
                 silence_ms=defaults.silence_ms,
                 max_utterance_ms=defaults.max_utterance_ms,

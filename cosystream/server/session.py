@@ -56,6 +56,7 @@ class SessionConfig:
     punctuation: bool = False  # second-pass finals keep its capitals, punctuation and digits
     max_alternatives: int = 1  # finals carry up to this many n-best alternatives
     phrases: tuple = ()  # phrase boosting (decoding.phrases.Phrase), normalized
+    vocabulary: str = ""  # a named vocabulary's (serve --vocabulary), boosted too
     hotwords: str = ""  # the phrases as sent, for the second pass's prompt
     boosting: object = None  # what the phrases made for the session's model (decoding.phrases.Boosting)
 

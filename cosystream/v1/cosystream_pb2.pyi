@@ -74,7 +74,7 @@ class StreamingRecognizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class StreamingConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases")
+    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases", "vocabulary")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class StreamingConfig(_message.Message):
     ENABLE_AUTOMATIC_PUNCTUATION_FIELD_NUMBER: _ClassVar[int]
     MAX_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     PHRASES_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     encoding: AudioEncoding
     sample_rate_hz: int
     priority: Priority
@@ -97,7 +98,8 @@ class StreamingConfig(_message.Message):
     enable_automatic_punctuation: bool
     max_alternatives: int
     phrases: _containers.RepeatedCompositeFieldContainer[Phrase]
-    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ...) -> None: ...
+    vocabulary: str
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ..., vocabulary: _Optional[str] = ...) -> None: ...
 
 class Phrase(_message.Message):
     __slots__ = ("text", "boost")
@@ -236,7 +238,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions", "engines", "final_model")
+    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions", "engines", "final_model", "vocabularies")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,7 @@ class ServerInfo(_message.Message):
     LOADED_MODEL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARIES_FIELD_NUMBER: _ClassVar[int]
     version: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     encodings: _containers.RepeatedScalarFieldContainer[AudioEncoding]
@@ -263,7 +266,8 @@ class ServerInfo(_message.Message):
     loaded_model_versions: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     final_model: str
-    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., final_model: _Optional[str] = ...) -> None: ...
+    vocabularies: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., final_model: _Optional[str] = ..., vocabularies: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
     __slots__ = ("index", "device", "serving", "active_sessions", "max_sessions")

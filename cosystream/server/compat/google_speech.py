@@ -31,6 +31,7 @@ from google.cloud.speech_v1.types import cloud_speech
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
+from cosystream.decoding.phrases import MAX_BOOST
 from cosystream.engine.ipc import EngineInfo
 from cosystream.server.compat.bridge import AudioFormat, CompatError, StreamAdapter, Translation, context_phrases
 from cosystream.v1 import cosystream_pb2 as pb
@@ -107,15 +108,38 @@ def check_config(config, info: EngineInfo, files: bool = False) -> tuple[AudioFo
         model=info.models[model].name if model else "",
         enable_automatic_punctuation=config.enable_automatic_punctuation,
         max_alternatives=min(max(config.max_alternatives, 0), MAX_ALTERNATIVES),  # Google: "up to"
-        phrases=context_phrases(config.speech_contexts),
+        phrases=context_phrases(config.speech_contexts) + adaptation_phrases(config.adaptation),
+        vocabulary=adaptation_vocabulary(config.adaptation),
     )
     return declared, native
 
 
+def adaptation_phrases(adaptation) -> list[pb.Phrase]:
+    """``adaptation.phrase_sets`` (inline phrase sets) as phrases: each phrase its own boost, else its set's."""
+    return [
+        pb.Phrase(text=phrase.value, boost=min(phrase.boost or phrase_set.boost, MAX_BOOST))
+        for phrase_set in adaptation.phrase_sets
+        for phrase in phrase_set.phrases
+    ]
+
+
+def adaptation_vocabulary(adaptation) -> str:
+    """``adaptation.phrase_set_references`` (``projects/P/locations/L/phraseSets/NAME``): the server's named
+    vocabulary NAME (serve --vocabulary NAME=FILE). One per stream; an unknown name is refused (the native
+    message lists those the server has)."""
+    references = list(adaptation.phrase_set_references)
+    if len(references) > 1:
+        raise CompatError(
+            _BAD, "Invalid recognition 'config': one adaptation.phrase_set_references per stream is supported"
+        )
+    return references[0].rstrip("/").rsplit("/", 1)[-1] if references else ""
+
+
 def _unhonoured(config) -> list[str]:
     """The fields set in ``config`` that would change what the client gets and that this server cannot
-        honour (docs/COMPAT.md): refused rather than ignored. ``speech_contexts`` are boosted phrases;
-    ``adaptation``, ``use_enhanced`` and ``metadata`` are ignored."""
+        honour (docs/COMPAT.md): refused rather than ignored. ``speech_contexts`` and ``adaptation``'s phrase
+    sets are boosted phrases, its phrase set references the server's named vocabularies; ``use_enhanced`` and
+    ``metadata`` are ignored."""
     unhonoured = []
     languages = [code for code in config.alternative_language_codes if code.lower() not in LANGUAGES]
     if languages:
@@ -130,6 +154,9 @@ def _unhonoured(config) -> list[str]:
         unhonoured.append("enable_spoken_emojis")
     if config.HasField("transcript_normalization") and config.transcript_normalization.entries:
         unhonoured.append("transcript_normalization")
+    if config.adaptation.custom_classes or config.adaptation.abnf_grammar.abnf_strings:
+        what = "custom_classes" if config.adaptation.custom_classes else "abnf_grammar"
+        unhonoured.append(f"adaptation.{what} (phrase sets and speech_contexts are boosted; classes are not)")
     return unhonoured
 
 

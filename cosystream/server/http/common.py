@@ -34,7 +34,7 @@ def prompt_phrases(servicer: CosyStreamServicer, model: str, prompt: str) -> lis
     part of it between commas, semicolons or line breaks of at most :data:`PROMPT_TERM_WORDS` words is a
     term ("Siobhan Nguyen, Kubernetes"), one phrase at the default boost; in a longer part, each word of at
     least :data:`PROMPT_MIN_LETTERS` letters is a phrase boosted by :data:`PROMPT_BOOST`. Numbers and symbols
-    are left out rather than refused, and a model decoded without the Python beam search gets none (a
+    are left out rather than refused, and a model decoded greedily gets none (a
     prompt is a hint: OpenAI's clients send it freely). The second pass is told the phrases too."""
     index = servicer.info.model_index(model)
     if not prompt or index is None or not servicer.models.decoder(servicer.info.models[index]).can_boost:
