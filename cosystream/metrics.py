@@ -52,6 +52,17 @@ def _metrics() -> dict:
         ["engine"],
         multiprocess_mode="livemax",
     )
+    ENGINE_OVERLOADED = Gauge(
+        "cosystream_engine_overloaded",
+        "1 while the projected realtime load has stayed at or over serve --admit-load (engine/headroom.py).",
+        ["engine"],
+        multiprocess_mode="livemax",
+    )
+    REFUSED_FOR_LOAD = Counter(
+        "cosystream_engine_refused_for_load",
+        "New REALTIME sessions refused because one more would have passed the load limit (RetryInfo sent).",
+        ["engine"],
+    )
     # Per engine process (serve --engines, --device cuda:all): "0" when there is one.
     ENGINE_SESSIONS = Gauge(
         "cosystream_engine_sessions",
@@ -112,6 +123,7 @@ PRIORITIES = ("realtime", "batch")
 REJECT_REASONS = (
     "full",
     "shed",
+    "overloaded",
     "invalid_argument",
     "draining",
     "idle_timeout",
@@ -158,6 +170,12 @@ class EngineMetrics:
 
     def set_load(self, load: float) -> None:
         self._m["ENGINE_LOAD"].labels(self.engine).set(load)
+
+    def set_overloaded(self, overloaded: bool) -> None:
+        self._m["ENGINE_OVERLOADED"].labels(self.engine).set(int(overloaded))
+
+    def refused_for_load(self) -> None:
+        self._m["REFUSED_FOR_LOAD"].labels(self.engine).inc()
 
 
 class FrontendMetrics:

@@ -117,7 +117,9 @@ def overload(core: EngineCore, clock: FakeClock, busy: float, seconds: float) ->
 
 def test_the_engine_moves_heavy_sessions_to_light_between_utterances_and_back():
     clock = FakeClock()
-    config = EngineConfig(max_sessions=8, max_batch=8, realtime_batch_window_s=0)
+    # (admission by load off: the load driven here, 0.95, would refuse the session opened under it;
+    # tests/test_headroom.py has that)
+    config = EngineConfig(max_sessions=8, max_batch=8, realtime_batch_window_s=0, admit_load=0)
     adaptive = AdaptiveConfig((("heavy", "light"),), high=0.8, low=0.5, window_s=0.5, hold_s=1.8)
     core = EngineCore(
         [tiny(3, 0), tiny(1, 1)], config, torch.device("cpu"), None, ["heavy", "light"], adaptive, clock

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from referencing import Registry, Resource
 
 from cosystream.app.cli import build_parser
+from cosystream.engine.headroom import ADMIT_LOAD
 from cosystream.server.frontend import SERVICE_NAME, FrontendConfig
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
@@ -452,26 +453,32 @@ def test_services_budgets_policies_and_the_scrape_select_what_they_name(overlay)
 def test_the_autoscaler_scales_on_a_gauge_the_server_exports(overlay):
     objects = rendered(overlay)
     hpa = one(objects, "HorizontalPodAutoscaler", "cosystream")
-    [metric] = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods"
-    name = metric["pods"]["metric"]["name"]
-    [rule] = [rule for rule in adapter_rules() if rule["name"]["as"] == name]
-    series = re.match(r"'?([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
-    assert re.search(rule["name"]["matches"], series)
+    metrics = {metric["pods"]["metric"]["name"]: metric for metric in hpa["spec"]["metrics"]}
+    assert set(metrics) == {"cosystream_active_sessions", "cosystream_engine_load"}
     exported = exported_metrics()
-    assert exported.get(series) == "gauge", f"{series}: not a gauge of cosystream/metrics.py ({sorted(exported)})"
-    assert "rate(" not in rule["metricsQuery"], "a gauge is summed, not rated"
-    # The adapter maps the series onto pods through the scrape's target labels.
-    assert {"namespace", "pod"} <= set(rule["resources"]["overrides"])
+    for name, metric in metrics.items():
+        assert metric["type"] == "Pods"
+        [rule] = [rule for rule in adapter_rules() if rule["name"]["as"] == name]
+        series = re.match(r"'?([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
+        assert re.search(rule["name"]["matches"], series)
+        assert exported.get(series) == "gauge", (
+            f"{series}: not a gauge of cosystream/metrics.py ({sorted(exported)})"
+        )
+        assert "rate(" not in rule["metricsQuery"], "a gauge is summed (or its maximum taken), not rated"
+        # The adapter maps the series onto pods through the scrape's target labels.
+        assert {"namespace", "pod"} <= set(rule["resources"]["overrides"])
 
-    max_sessions = serve_args(one(objects, "Deployment", "cosystream")).max_sessions
-    target = float(metric["pods"]["target"]["averageValue"])
-    assert 0 < target <= HPA_TARGET_MAX_FILL * max_sessions, (
-        f"target {target} sessions per pod leaves no room below --max-sessions {max_sessions} for the ramp"
+    args = serve_args(one(objects, "Deployment", "cosystream"))
+    target = float(metrics["cosystream_active_sessions"]["pods"]["target"]["averageValue"])
+    assert 0 < target <= HPA_TARGET_MAX_FILL * args.max_sessions, (
+        f"target {target} sessions per pod leaves no room below --max-sessions {args.max_sessions} for the ramp"
     )
+    load = float(metrics["cosystream_engine_load"]["pods"]["target"]["averageValue"])
+    admit_load = args.admit_load if args.admit_load is not None else ADMIT_LOAD
+    assert 0 < load < admit_load, f"a load target of {load} is past --admit-load {admit_load}: pods refuse first"
 
 
-def test_the_helm_values_carry_the_adapter_rule_of_the_config_file():
+def test_the_helm_values_carry_the_adapter_rules_of_the_config_file():
     values = yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())
     assert values["rules"]["custom"] == adapter_rules()
     [config_map] = find(rendered("prometheus-adapter"), "ConfigMap")
@@ -736,12 +743,21 @@ def test_the_autoscaler_gauge_counts_the_open_sessions_of_a_live_server(served_a
     server, _ = served_as_in_the_pod
     import urllib.request
 
-    [rule] = adapter_rules()
-    series = re.match(r"'?([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
+    series = {
+        rule["name"]["as"]: re.match(r"'?([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
+        for rule in adapter_rules()
+    }
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    assert f"# TYPE {series} gauge" in text
-    labels = {frozenset(re.findall(r'(\w+)="', m)) for m in re.findall(rf"^{series}{{([^}}]*)}}", text, re.M)}
-    assert labels == {frozenset({"priority"})}, labels  # the rule sums the priorities per pod
+
+    def labels(name: str) -> set:
+        return {frozenset(re.findall(r'(\w+)="', m)) for m in re.findall(rf"^{name}{{([^}}]*)}}", text, re.M)}
+
+    for name in series.values():
+        assert f"# TYPE {name} gauge" in text
+    # The sessions rule sums the priorities per pod; the load rule takes the pod's most loaded engine.
+    assert labels(series["cosystream_engine_load"]) == {frozenset({"engine"})}
+    series = series["cosystream_active_sessions"]
+    assert labels(series) == {frozenset({"priority"})}
     assert server.metric(series) == 0
     streams = [_OpenStream(server, pb.REALTIME), _OpenStream(server, pb.BATCH)]
     try:

@@ -155,7 +155,7 @@ class Sink:
     def on_moved(self, model: int) -> None:
         pass
 
-    def on_refused(self, message: str, shed: bool) -> None:
+    def on_refused(self, message: str, shed: bool, retry_after_s: float | None = None) -> None:
         self.refused.append(message)
 
     def on_results(self, ids, logprobs, queue_s: float, compute_s: float) -> None:

@@ -358,6 +358,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-batch", type=int, default=None, help="rows per model step (default: max-sessions)")
     serve.add_argument(
+        "--admit-load",
+        type=float,
+        default=None,
+        help="refuse a new REALTIME session (RESOURCE_EXHAUSTED with a retry delay) when one more would take the "
+        "engine's projected realtime load past this (its busy share; default 0.9; 0: only --max-sessions "
+        "limits); BATCH sessions are slowed instead (docs/DEPLOY.md, 'Overload')",
+    )
+    serve.add_argument(
+        "--admit-lag-ms",
+        type=float,
+        default=None,
+        help="a frontend whose event loop runs this late (the median over 2 s) refuses new REALTIME sessions "
+        "(RESOURCE_EXHAUSTED with a retry delay); GetServerInfo reports the lag either way (default 0: off)",
+    )
+    serve.add_argument(
+        "--overload-window-s",
+        type=float,
+        default=None,
+        help="the load over --admit-load this long makes the engine overloaded (health service 'load' "
+        "NOT_SERVING), and under it this long, no longer (default 5)",
+    )
+    serve.add_argument(
         "--model",
         action="append",
         type=parse_model_arg,
@@ -847,6 +869,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
         ),
         stream=StreamOptions(
             **given(idle_timeout_s=args.idle_timeout_s, realtime_burst_s=args.realtime_burst_s),
+            **given(admit_lag_s=None if args.admit_lag_ms is None else args.admit_lag_ms / 1000),
             default_endpointing=endpointing,
             frontends=args.frontends,
             decoder=decoder,
@@ -929,6 +952,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             realtime_batch_window_s=args.batch_window_ms / 1000,
             deadline_s=args.deadline_ms / 1000,
             batch_max_duty=args.batch_duty,
+            **given(admit_load=args.admit_load, overload_window_s=args.overload_window_s),
         )
         adaptive = adaptive_config(args)
         decoder = decoder_request(args)

@@ -68,6 +68,9 @@ class NaiveEngine:
     def active_sessions(self) -> int:
         return len(self._sinks)
 
+    def loads(self) -> list:
+        return [None]  # (no load windows: every session is admitted)
+
     def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
         if model != 0:  # (the servicer only names models its HELLO listed: one here)
             self._loop.call_soon(sink.on_refused, f"no model {model} in this engine", False)

@@ -35,6 +35,7 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig, AdaptivePolicy, Switch
 from cosystream.engine.frame_queue import FrameQueue
+from cosystream.engine.headroom import ADMIT_LOAD, OVERLOAD_WINDOW_S, RETRY_AFTER_S, Headroom, LoadReport
 from cosystream.engine.scheduler import (
     BATCH_STEP_BUDGET_S,
     DEADLINE_S,
@@ -74,6 +75,9 @@ class EngineConfig:
     compile: bool = True
     compile_budget_s: float | None = COMPILE_BUDGET_S  # start-up seconds for keys not in the cache
     compile_cache_dir: str | None = None  # None: runtime.compiled.default_cache_dir()
+    # New REALTIME sessions refused past this projected load (engine/headroom.py); 0: admission by count only.
+    admit_load: float = ADMIT_LOAD
+    overload_window_s: float = OVERLOAD_WINDOW_S
 
     def __post_init__(self) -> None:
         if self.max_batch is None:
@@ -82,6 +86,10 @@ class EngineConfig:
             raise ValueError("max_sessions and max_batch must be >= 1")
         if self.queue_frames < max(self.frame_buckets):
             raise ValueError("queue_frames must hold at least the largest frame bucket")
+        if not 0 <= self.admit_load <= 4:  # (the projected load is at most 4)
+            raise ValueError(f"--admit-load must be between 0 (off) and 4, got {self.admit_load}")
+        if not 0 <= self.overload_window_s < math.inf:
+            raise ValueError(f"--overload-window-s must be >= 0, got {self.overload_window_s}")
 
 
 class StepObserver(Protocol):
@@ -108,6 +116,14 @@ class StepObserver(Protocol):
 
     def set_load(self, load: float) -> None:
         """The engine's projected realtime load (``engine/adaptive.py``), once per window."""
+        ...
+
+    def set_overloaded(self, overloaded: bool) -> None:
+        """Whether the engine is overloaded (``engine/headroom.py``), once per window."""
+        ...
+
+    def refused_for_load(self) -> None:
+        """A new REALTIME session was refused: admitting it would have passed the load limit."""
         ...
 
 
@@ -195,6 +211,8 @@ class EngineCore:
         self._fallbacks = adaptive.fallbacks  # HEAVY name -> LIGHT name; empty: none falls back
         for heavy in self._fallbacks if metrics is not None else ():
             metrics.set_fallback(heavy, False)  # (the series exists from start-up)
+        self.headroom = Headroom(config.admit_load, config.overload_window_s, clock)
+        self.report: LoadReport | None = None  # the last window's, for the frontends (ACTIVE)
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
@@ -263,6 +281,14 @@ class EngineCore:
             self._box(frontend).events.append((ipc.REJECTED, key, what or f"no model {model} in this engine"))
             return
         asked, model = self.names[model], current
+        if priority == Priority.REALTIME:
+            realtime = sum(self._priority[slot] == Priority.REALTIME for slot in self._slot_of.values())
+            why = self.headroom.refuse(realtime)
+            if why is not None:
+                self._box(frontend).events.append((ipc.REJECTED, key, why, RETRY_AFTER_S, "overloaded"))
+                if self.metrics is not None:
+                    self.metrics.refused_for_load()
+                return
         try:
             shed = self.scheduler.admit(priority)
         except AdmissionError as err:
@@ -378,8 +404,8 @@ class EngineCore:
         policy.add(busy_s - self._batch_s + self._projection_s)
         self._batch_s = self._projection_s = 0.0
         switch = policy.update()
-        if self.metrics is not None and policy.windows != windows:
-            self.metrics.set_load(policy.load)
+        if policy.windows != windows:
+            self._observe_window(policy.load)
         if switch is None or not self._fallbacks:
             return None
         moved = self.move_idle()
@@ -394,6 +420,35 @@ class EngineCore:
             for heavy in self._fallbacks:
                 self.metrics.observe_adaptive(heavy, switch.light)  # (set_load above has the load that did it)
         return switch
+
+    def _observe_window(self, load: float) -> None:
+        """A load window ended: the overload state, the metrics and the frontends' report."""
+        if self.headroom.observe(load):
+            limit = self.headroom.limit
+            if self.headroom.overloaded:
+                log.warning(
+                    "overloaded: projected realtime load %.2f at or over %g for %g s; new realtime sessions "
+                    "are refused and the load health service says NOT_SERVING",
+                    load,
+                    limit,
+                    self.headroom.window_s,
+                )
+            else:
+                log.info("no longer overloaded: projected realtime load %.2f under %g", load, limit)
+        if self.metrics is not None:
+            self.metrics.set_load(load)
+            self.metrics.set_overloaded(self.headroom.overloaded)
+        counts = self.active_sessions()
+        self.report = LoadReport(
+            load=round(load, 2),
+            realtime=counts["realtime"],
+            batch=counts["batch"],
+            free_slots=len(self._free),
+            queued_frames=self.scheduler.queued_frames(),
+            overloaded=self.headroom.overloaded,
+            admit_load=self.headroom.admit_load,
+            refused=self.headroom.refused,
+        )
 
     def _project(self, plan: StepPlan, compute_s: float) -> None:
         """What a realtime step with rows on a LIGHT fallback would have cost more on HEAVY (the scheduler's

@@ -51,10 +51,13 @@ class Event(IntEnum):
 
     HELLO = 10  # (HELLO, info: EngineInfo): the engine is warm; sent once per frontend
     OPENED = 11  # (OPENED, key, model): the model id it runs on (the current version of the one OPEN named)
-    REJECTED = 12  # (REJECTED, key, message): no room, the session never had a slot
+    # (REJECTED, key, message[, retry_after_s, reason]): no room, the session never had a slot; a refusal for
+    # load (reason "overloaded", engine/headroom.py) says when to retry
+    REJECTED = 12
     SHED = 13  # (SHED, key, message): a BATCH session ended to make room for REALTIME ones
-    # (ACTIVE, sessions, listening): slots held on the engine, all frontends, and how many frontends are
-    # connected and listening; sent to every frontend when either changes
+    # (ACTIVE, sessions, listening, report): slots held on the engine, all frontends, how many frontends are
+    # connected and listening, and its load (headroom.LoadReport, once per load window; None before the first);
+    # sent to every frontend when any changes
     ACTIVE = 14
     # (MODELS, models, held): the models served changed (EngineInfo.models' new value), or ``held``, how many
     # model versions the engine holds (served, or still run by a live session); sent to every frontend, before

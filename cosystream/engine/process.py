@@ -395,7 +395,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                 model_changes = core.model_changes
                 info = announce_models(core, info, infos, frontends.values())
             core.step()
-            counts = (core.session_count, core.listening_frontends)
+            counts = (core.session_count, core.listening_frontends, core.report)
             if frontends and counts != announced:
                 announced = counts
                 for frontend in frontends.values():

@@ -362,6 +362,10 @@ class Scheduler:
         s = self._sessions[slot] if 0 <= slot < self.config.max_sessions else None
         return 0 if s is None else s.pending
 
+    def queued_frames(self) -> int:
+        """Frames recorded and not yet scheduled, all sessions."""
+        return sum(s.pending for s in self._sessions if s is not None)
+
     def has_work(self) -> bool:
         """Whether `schedule()` would return a step now."""
         now = self._clock()

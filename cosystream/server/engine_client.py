@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from cosystream.engine import ipc
+from cosystream.engine.headroom import LoadReport
 from cosystream.engine.scheduler import Priority
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,10 @@ class SessionSink(Protocol):
         """From its next utterance (nothing of it has results yet) the session runs on model id ``model``."""
         ...
 
-    def on_refused(self, message: str, shed: bool) -> None: ...
+    def on_refused(self, message: str, shed: bool, retry_after_s: float | None = None) -> None:
+        """No slot (``shed``: a BATCH session's taken for REALTIME ones); ``retry_after_s``: a refusal for load
+        says when to retry."""
+        ...
 
     def on_results(self, ids: np.ndarray, logprobs: np.ndarray, queue_s: float, compute_s: float) -> None: ...
 
@@ -66,6 +70,10 @@ class Engine(Protocol):
 
     @property
     def active_sessions(self) -> int: ...
+
+    def loads(self) -> list[LoadReport | None]:
+        """Each engine's last load report (one engine: one entry; None: none yet, or not connected)."""
+        ...
 
     def new_key(self) -> int: ...
 
@@ -138,6 +146,7 @@ class EngineClient:
         self._sinks: dict[int, SessionSink] = {}
         self._engine_sessions = 0
         self._listening_frontends = 0
+        self.load: LoadReport | None = None  # the engine's, as of its last ACTIVE
         self._listening = False  # this frontend's port is open (re-announced on every connection)
         self._next_key = 0
         self._pending = ipc.ToEngine()
@@ -309,6 +318,10 @@ class EngineClient:
         """Sessions holding an engine slot, from every frontend (as of the engine's last message)."""
         return self._engine_sessions
 
+    def loads(self) -> list[LoadReport | None]:
+        """The engine's load (None until its first load window, or while it is not connected)."""
+        return [self.load if self.connected else None]
+
     # --- the channel -------------------------------------------------------------------------------
 
     def _schedule_flush(self) -> None:
@@ -342,7 +355,7 @@ class EngineClient:
         for event in box.events:
             kind = event[0]
             if kind == ipc.ACTIVE:
-                self._engine_sessions, self._listening_frontends = event[1], event[2]
+                self._engine_sessions, self._listening_frontends, self.load = event[1], event[2], event[3]
                 self._changed()
                 continue
             if kind >= ipc.MODELS and kind != ipc.MOVED:
@@ -357,7 +370,7 @@ class EngineClient:
                 sink.on_moved(event[2])
             elif kind in (ipc.REJECTED, ipc.SHED):
                 self._sinks.pop(event[1], None)
-                sink.on_refused(event[2], shed=kind == ipc.SHED)
+                sink.on_refused(event[2], kind == ipc.SHED, event[3] if len(event) > 3 else None)
         sinks = self._sinks
         for keys, ids, logprobs, queue_s, compute_s in box.steps:
             for row, key in enumerate(keys):

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from cosystream.engine import ipc
+from cosystream.engine.headroom import LoadReport
 from cosystream.engine.scheduler import Priority
 from cosystream.server.engine_client import EngineClient, LoadResult, ModelLoadError, SessionSink
 
@@ -64,11 +65,11 @@ class _Routed:
     def on_moved(self, model: int) -> None:
         self.sink.on_moved(self.engine * ID_STRIDE + model)
 
-    def on_refused(self, message: str, shed: bool) -> None:
+    def on_refused(self, message: str, shed: bool, retry_after_s: float | None = None) -> None:
         if not shed and self.pool._reopen(self):
             return
         self.pool._forget(self)
-        self.sink.on_refused(message, shed)
+        self.sink.on_refused(message, shed, retry_after_s)
 
     def on_results(self, ids: np.ndarray, logprobs: np.ndarray, queue_s: float, compute_s: float) -> None:
         self.sink.on_results(ids, logprobs, queue_s, compute_s)
@@ -128,6 +129,10 @@ class EnginePool:
     @property
     def active_sessions(self) -> int:
         return sum(client.active_sessions for client in self.clients)
+
+    def loads(self) -> list[LoadReport | None]:
+        """Each engine's load, in order (None: not connected, or no load window yet)."""
+        return [load for client in self.clients for load in client.loads()]
 
     def engines(self) -> list[EngineStatus]:
         return [

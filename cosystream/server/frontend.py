@@ -39,6 +39,13 @@ from cosystream.v1.client import DEFAULT_PORT
 
 log = logging.getLogger(__name__)
 
+LOAD_SERVICE = "load"
+"""The gRPC health service name that says whether the server keeps up: NOT_SERVING while not serving, or
+while its engine is overloaded (every engine, with several; ``engine/headroom.py``), so a load balancer
+or a probe can send new sessions elsewhere. The server's own names ("" and the services) stay SERVING then:
+its live sessions are served."""
+_STATUS = {True: health_pb2.HealthCheckResponse.SERVING, False: health_pb2.HealthCheckResponse.NOT_SERVING}
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CosyStream"].full_name
 STREAMING_RECOGNIZE = f"/{SERVICE_NAME}/StreamingRecognize"
 
@@ -100,6 +107,7 @@ class Frontend:
         self.draining = False
         self._services: tuple[str, ...] = ("",)
         self._serving: bool | None = None  # as last set on the health servicer
+        self._keeping_up: bool | None = None  # as last set for LOAD_SERVICE
         self._health_task: asyncio.Task | None = None
         self._serving_event = asyncio.Event()
 
@@ -117,19 +125,30 @@ class Frontend:
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.get_running_loop().create_task(self._apply_health())
 
+    @property
+    def keeping_up(self) -> bool:
+        """What the ``load`` health service says: serving, and the engine (one of them, with several) not
+        overloaded (``engine/headroom.py``)."""
+        loads = [load for load in self.engine.loads() if load is not None]
+        return self.serving and not (loads and all(load.overloaded for load in loads))
+
     async def _apply_health(self) -> None:
-        while (serving := self.serving) != self._serving:
-            self._serving = serving
-            status = (
-                health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            for name in self._services:
-                await self.health.set(name, status)
-            log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
-            if serving:
-                self._serving_event.set()
-            else:
-                self._serving_event.clear()
+        while (serving := self.serving) != self._serving or self.keeping_up != self._keeping_up:
+            if serving != self._serving:
+                self._serving = serving
+                status = _STATUS[serving]
+                for name in self._services:
+                    await self.health.set(name, status)
+                log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+                if serving:
+                    self._serving_event.set()
+                else:
+                    self._serving_event.clear()
+            if (keeping_up := self.keeping_up) != self._keeping_up:
+                self._keeping_up = keeping_up
+                await self.health.set(LOAD_SERVICE, _STATUS[keeping_up])
+                if self._serving:  # (a server not serving says so above; this is about load)
+                    log.info("health of %r: %s", LOAD_SERVICE, "SERVING" if keeping_up else "NOT_SERVING")
 
     async def wait_serving(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._serving_event.wait(), timeout_s)
@@ -248,6 +267,8 @@ class Frontend:
             await self.server.stop(grace_s)
         if self.second_pass is not None:
             self.second_pass.close()
+        if self.servicer is not None:
+            self.servicer.lag.stop()
         self.engine.close_connection()
 
     async def wait(self) -> None:

@@ -35,6 +35,7 @@ from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
 from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.decoding.phrases import normalize as normalize_phrases
+from cosystream.engine.headroom import RETRY_AFTER_S, LoadReport
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
@@ -44,6 +45,7 @@ from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
 from cosystream.server.engine_pool import EnginePool
 from cosystream.server.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, FinalPass
+from cosystream.server.loop_lag import ADMIT_LAG_S, LoopLag
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
@@ -81,10 +83,14 @@ class StreamOptions:
     decoders: tuple[tuple[str, DecoderConfig], ...] = ()
     # Finals from a second-pass Whisper model (serve --final-model, --final-deadline-ms); None: off.
     second_pass: SecondPassConfig | None = None
+    # New REALTIME sessions refused while this frontend's event loop runs later than this (loop_lag.py); 0: off.
+    admit_lag_s: float = ADMIT_LAG_S
     # Named vocabularies (serve --vocabulary NAME=FILE): name -> its phrases (decoding.phrases.read_vocabulary).
     vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
 
     def __post_init__(self) -> None:
+        if not 0 <= self.admit_lag_s < math.inf:
+            raise ValueError(f"--admit-lag-ms must be >= 0 (0: off), got {self.admit_lag_s * 1000:g}")
         if not self.realtime_burst_s >= 0:
             raise ValueError(
                 f"realtime_burst_s must be >= 0 (inf: REALTIME audio unpaced), got {self.realtime_burst_s}"
@@ -203,6 +209,25 @@ def validate_config(
         phrases=phrases,
         vocabulary=config.vocabulary,
         hotwords=", ".join(hotwords),
+    )
+
+
+def load_status(loads: list[LoadReport | None], lag_s: float = 0.0) -> pb.LoadStatus:
+    """The engines' load reports as GetServerInfo gives them: the most loaded engine's load, counts summed,
+    overloaded when every engine reporting is; ``lag_s``: the answering frontend's loop lag."""
+    known = [load for load in loads if load is not None]
+    if not known:
+        return pb.LoadStatus(frontend_lag_ms=lag_s * 1000)
+    return pb.LoadStatus(
+        frontend_lag_ms=lag_s * 1000,
+        engine_load=max(load.load for load in known),
+        realtime_sessions=sum(load.realtime for load in known),
+        batch_sessions=sum(load.batch for load in known),
+        free_slots=sum(load.free_slots for load in known),
+        queued_frames=sum(load.queued_frames for load in known),
+        overloaded=all(load.overloaded for load in known),
+        admit_load=known[0].admit_load,
+        refused_for_load=sum(load.refused for load in known),
     )
 
 
@@ -398,9 +423,9 @@ class _Stream:
         self.factory, self.boosting = factory, boosting
         self.session.use_model(factory(boosting), info.name, info.version, info.output_delay_frames)
 
-    def on_refused(self, message: str, shed: bool) -> None:
-        self.servicer.metrics.rejected("shed" if shed else "full")
-        self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    def on_refused(self, message: str, shed: bool, retry_after_s: float | None = None) -> None:
+        self.servicer.metrics.rejected("shed" if shed else "overloaded" if retry_after_s is not None else "full")
+        self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s)
 
     def on_results(self, ids, logprobs, queue_s: float, compute_s: float) -> None:
         if self._held is not None:  # (its decoder is being built: on_moved)
@@ -419,11 +444,12 @@ class _Stream:
     def on_engine_lost(self) -> None:
         self._fail(grpc.StatusCode.UNAVAILABLE, "the engine process stopped; retry on another server")
 
-    def _fail(self, code: grpc.StatusCode, message: str) -> None:
-        """End now with ``code`` (what is still queued before it is sent first)."""
+    def _fail(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+        """End now with ``code`` (what is still queued before it is sent first); ``retry_after_s``: a temporary
+        refusal's retry delay (RetryInfo)."""
         if self.state < StreamState.ENDED:
             self.state = StreamState.ENDED
-            self.responses.put(_Abort(code, message))
+            self.responses.put(_Abort(code, message, retry_after_s))
             self.responses.wake()
             self.progress.set()
 
@@ -642,6 +668,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.second_pass = second_pass
         self.metrics = metrics or FrontendMetrics()
         self._vocabularies = dict(options.vocabularies)
+        self.lag = LoopLag()  # (sampling from the first stream on)
         self.draining = False
         self._streams: set[_Stream] = set()
         self.models = ModelDecoders(
@@ -722,6 +749,17 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             )
         if not self.engine.connected:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "the engine is restarting; retry in a moment", None)
+        self.lag.start()
+        lag_s = self.lag.median_s
+        if config.priority == Priority.REALTIME and self.options.admit_lag_s and lag_s > self.options.admit_lag_s:
+            raise _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at capacity for realtime sessions (its frontend runs {lag_s * 1000:.0f} ms "
+                f"behind, limit {self.options.admit_lag_s * 1000:g} ms); retry in {RETRY_AFTER_S:g} s or on "
+                "another server",
+                "overloaded",
+                RETRY_AFTER_S,
+            )
         return config
 
     async def StreamingRecognize(self, request_iterator, context):
@@ -794,6 +832,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             device=info.device,
             final_model=self.second_pass.config.model if self.second_pass and self.second_pass.enabled else "",
             vocabularies=sorted(self._vocabularies),
+            load=load_status(self.engine.loads(), self.lag.median_s),
             default_endpointing=pb.EndpointingConfig(
                 silence_ms=defaults.silence_ms,
                 max_utterance_ms=defaults.max_utterance_ms,
@@ -808,8 +847,14 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                     serving=e.connected,
                     active_sessions=e.active_sessions,
                     max_sessions=e.max_sessions,
+                    load=load.load if load else 0.0,
+                    overloaded=bool(load and load.overloaded),
                 )
-                for e in (self.engine.engines() if isinstance(self.engine, EnginePool) else [])
+                for e, load in zip(
+                    self.engine.engines() if isinstance(self.engine, EnginePool) else [],
+                    self.engine.loads(),
+                    strict=False,
+                )
             ],
         )
 

@@ -238,7 +238,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions", "engines", "final_model", "vocabularies")
+    __slots__ = ("version", "models", "encodings", "min_sample_rate_hz", "max_sample_rate_hz", "max_sessions", "active_sessions", "device", "default_endpointing", "frontends", "loaded_model_versions", "engines", "final_model", "vocabularies", "load")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class ServerInfo(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCABULARIES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     version: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     encodings: _containers.RepeatedScalarFieldContainer[AudioEncoding]
@@ -267,21 +268,48 @@ class ServerInfo(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     final_model: str
     vocabularies: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., final_model: _Optional[str] = ..., vocabularies: _Optional[_Iterable[str]] = ...) -> None: ...
+    load: LoadStatus
+    def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., final_model: _Optional[str] = ..., vocabularies: _Optional[_Iterable[str]] = ..., load: _Optional[_Union[LoadStatus, _Mapping]] = ...) -> None: ...
+
+class LoadStatus(_message.Message):
+    __slots__ = ("engine_load", "realtime_sessions", "batch_sessions", "free_slots", "queued_frames", "overloaded", "admit_load", "refused_for_load", "frontend_lag_ms")
+    ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
+    REALTIME_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    OVERLOADED_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FOR_LOAD_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_load: float
+    realtime_sessions: int
+    batch_sessions: int
+    free_slots: int
+    queued_frames: int
+    overloaded: bool
+    admit_load: float
+    refused_for_load: int
+    frontend_lag_ms: float
+    def __init__(self, engine_load: _Optional[float] = ..., realtime_sessions: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., queued_frames: _Optional[int] = ..., overloaded: _Optional[bool] = ..., admit_load: _Optional[float] = ..., refused_for_load: _Optional[int] = ..., frontend_lag_ms: _Optional[float] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("index", "device", "serving", "active_sessions", "max_sessions")
+    __slots__ = ("index", "device", "serving", "active_sessions", "max_sessions", "load", "overloaded")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    OVERLOADED_FIELD_NUMBER: _ClassVar[int]
     index: int
     device: str
     serving: bool
     active_sessions: int
     max_sessions: int
-    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., serving: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    load: float
+    overloaded: bool
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., serving: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., load: _Optional[float] = ..., overloaded: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "language", "sample_rate_hz", "frame_ms", "parameters", "vocabulary", "is_default", "version", "vocabulary_kind", "output_delay_ms", "precision")

@@ -1,0 +1,202 @@
+"""Admission by headroom: new REALTIME sessions refused (RESOURCE_EXHAUSTED with a RetryInfo) when one more
+would take the engine's projected load past ``--admit-load``, BATCH ones admitted; the overload state, the
+load GetServerInfo reports and the ``load`` health service, on the policy with a fake clock, on the engine
+core, and on a real ``cosystream serve``."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from cosystream.engine import ipc
+from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.headroom import RETRY_AFTER_S, Headroom
+from cosystream.engine.scheduler import Priority
+from cosystream.server.retry import retry_after_s
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.servers import Served
+from tests.speech import encode, needs_espeak, silence, speech
+from tests.test_adaptive import FakeClock, send, tiny
+from tests.test_server import config, run_stream
+
+
+def test_one_more_session_is_refused_when_its_projected_load_passes_the_limit():
+    clock = FakeClock()
+    headroom = Headroom(0.9, window_s=1.0, clock=clock)
+    assert headroom.refuse(0) is None  # (nothing measured yet)
+    for _ in range(4):
+        headroom.observe(0.6)
+    assert headroom.refuse(2) is None  # 0.6 * 3/2 = 0.9: at the limit, admitted
+    why = headroom.refuse(1)  # 0.6 * 2 = 1.2
+    assert why is not None and "projected load 1.20 with one more, limit 0.9)" in why
+    assert headroom.refuse(0) is None  # the first session always: what it costs is not known
+    headroom.observe(0.0)  # the last four windows average 0.45: 0.45 * 2 = 0.9, admitted
+    assert headroom.refuse(1) is None
+    assert headroom.refused == 1
+    assert Headroom(0, clock=clock).refuse(1) is None  # 0: off
+
+
+def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_as_long():
+    clock = FakeClock()
+    headroom = Headroom(0.9, window_s=1.0, clock=clock)
+    changes = []
+    for load in [0.95, 0.95, 0.95, 0.5, 0.95, 0.95, 0.95, 0.95, 0.3, 0.3, 0.3, 0.3]:
+        clock.now += 0.5
+        if headroom.observe(load):
+            changes.append((clock.now - 1000, headroom.overloaded))
+    # Over from 0.5 s: 1 s later, overloaded; the dip at 2.0 s restarts the count (over again from 2.5 s:
+    # still overloaded, it had not been under for a window); under from 4.5 s: no longer at 5.5 s.
+    assert changes == [(1.5, True), (5.5, False)]
+    off = Headroom(0, window_s=0, clock=clock)  # off: overloaded means busy all the time
+    assert not off.observe(0.99) and off.observe(1.0) and off.overloaded
+
+
+def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
+    clock = FakeClock()
+    config_ = EngineConfig(max_sessions=8, max_batch=8, realtime_batch_window_s=0, overload_window_s=1.0)
+    core = EngineCore([tiny(1, 0)], config_, torch.device("cpu"), None, ["m"], None, clock)
+    realtime, batch = int(Priority.REALTIME), int(Priority.BATCH)
+    box = send(core, [(ipc.OPEN, 1, realtime, 0)])
+    assert [e[0] for e in box.events] == [ipc.OPENED]
+    for _ in range(8):  # 2 s at 0.7 busy: one more realtime session would be 1.4
+        clock.now += 0.25
+        core.observe_load(0.7 * 0.25)
+    assert core.report.load == 0.7 and not core.report.overloaded
+    box = send(core, [(ipc.OPEN, 2, realtime, 0), (ipc.OPEN, 3, batch, 0)])
+    rejected = [e for e in box.events if e[0] == ipc.REJECTED]
+    assert [(e[1], e[3], e[4]) for e in rejected] == [(2, RETRY_AFTER_S, "overloaded")]
+    assert "projected load 1.40 with one more, limit 0.9)" in rejected[0][2]
+    assert [e[1] for e in box.events if e[0] == ipc.OPENED] == [3]  # BATCH: admitted, slowed by the load
+    for _ in range(8):
+        clock.now += 0.25
+        core.observe_load(0.95 * 0.25)
+    report = core.report
+    assert (report.realtime, report.batch, report.free_slots, report.overloaded) == (1, 1, 6, True)
+    assert report.refused == 1 and report.admit_load == 0.9
+    for _ in range(8):
+        clock.now += 0.25
+        core.observe_load(0.1 * 0.25)
+    assert not core.report.overloaded
+    assert [e[0] for e in send(core, [(ipc.OPEN, 2, realtime, 0)]).events] == [ipc.OPENED]
+
+
+def test_bad_limits_are_refused():
+    with pytest.raises(ValueError, match="--admit-load must be between 0"):
+        EngineConfig(admit_load=-1)
+    with pytest.raises(ValueError, match="--overload-window-s must be >= 0"):
+        EngineConfig(overload_window_s=float("inf"))
+
+
+# --- a real server -----------------------------------------------------------------------------
+
+
+def load_health(served: Served) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(served.address) as channel:
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service="load"), timeout=5)
+            .status
+        )
+
+
+@needs_espeak
+def test_a_loaded_server_refuses_realtime_with_a_retry_delay_serves_batch_and_recovers():
+    from grpc_health.v1 import health_pb2
+
+    from tests.test_admin import Speaker
+
+    sentence = encode(
+        np.concatenate([speech("the quick brown fox jumps over the lazy dog"), silence(0.5)]), "LINEAR16"
+    )
+    # A limit so low that one live stream passes it (its load: 0.1-0.2 here; an idle engine's: under 0.005).
+    flags = ("--frontends", "1", "--admit-load", "0.02", "--overload-window-s", "0", "--final-model", "off")
+    with Served(*flags) as served:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        served.wait(lambda: load_health(served) == serving, 30, "the load service SERVING at rest")
+        assert served.info().load.admit_load == pytest.approx(0.02)
+        speaker = Speaker(served.stub(), 0, sentence)
+        try:
+            served.wait(lambda: served.info().load.overloaded, 30, "overloaded under one live stream")
+            time.sleep(2.5)  # (admission reads the last 2 s of load: the stream's alone from here)
+            load = served.info().load
+            assert load.realtime_sessions == 1 and load.engine_load >= 0.02 and load.free_slots > 0
+            assert load_health(served) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert served.health() == serving  # (the server itself serves its live sessions)
+            with pytest.raises(grpc.RpcError) as refused:  # (speech: a stream of silence may end before)
+                run_stream(served.stub(), config(), sentence)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at capacity for realtime sessions" in refused.value.details()
+            assert retry_after_s(refused.value.trailing_metadata()) == RETRY_AFTER_S
+            finals = run_stream(served.stub(), config(priority=pb.BATCH), sentence)  # BATCH: served
+            assert any("lazy dog" in r.transcript for x in finals for r in x.results if r.is_final), finals
+            served.wait(lambda: served.info().load.refused_for_load >= 1, 10, "the refusal counted")
+            assert served.metric("cosystream_rejected_sessions_total", reason="overloaded") >= 1
+            assert served.metric("cosystream_engine_overloaded") == 1
+        finally:
+            speaker.close()
+        assert speaker.error is None
+        served.wait(lambda: not served.info().load.overloaded, 30, "no longer overloaded once the stream ended")
+        served.wait(lambda: load_health(served) == serving, 10, "the load service SERVING again")
+        assert any("overloaded: projected realtime load" in line for line in served.log)
+        deadline = time.monotonic() + 10
+        while True:  # (the next window at rest reopens admission)
+            try:
+                run_stream(served.stub(), config(), sentence)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.5)
+
+
+def test_the_loop_lag_is_the_median_lateness_of_the_last_two_seconds():
+    import asyncio
+
+    from cosystream.server.loop_lag import PROBE_S, WINDOW_S, LoopLag
+
+    async def measure(block_s: float) -> float:
+        lag = LoopLag()
+        lag.start()
+        end = time.monotonic() + WINDOW_S + 0.5
+        while time.monotonic() < end:
+            await asyncio.sleep(PROBE_S)
+            time.sleep(block_s)  # (a loop this busy: every wake-up comes this late)
+        late = lag.median_s
+        lag.stop()
+        return late
+
+    assert asyncio.run(measure(0.0)) < 0.02
+    assert 0.08 < asyncio.run(measure(0.1)) < 0.3
+
+
+def test_a_frontend_behind_refuses_realtime_with_a_retry_delay_and_serves_batch():
+    from cosystream.app.local import LocalServer
+    from cosystream.engine.core import EngineConfig as Engine
+    from cosystream.server.frontend import FrontendConfig
+    from cosystream.server.servicer import StreamOptions
+
+    # A limit no loop meets (any wake-up is later than 1 us): the frontend counts as behind once it has sampled.
+    stream = StreamOptions(idle_timeout_s=5.0, admit_lag_s=1e-6)
+    frontend = FrontendConfig(host="127.0.0.1", port=0, stream=stream)
+    engine = Engine(max_sessions=4, max_batch=4)
+    with (
+        LocalServer(frontend_config=frontend, engine=engine) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        stub = pb_grpc.CosyStreamStub(channel)
+        run_stream(stub, config(), bytes(3200))  # (the first starts the sampling)
+        time.sleep(2.5)
+        with pytest.raises(grpc.RpcError) as refused:
+            run_stream(stub, config(), bytes(3200))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "its frontend runs" in refused.value.details() and "limit 0.001 ms" in refused.value.details()
+        assert retry_after_s(refused.value.trailing_metadata()) == RETRY_AFTER_S
+        run_stream(stub, config(priority=pb.BATCH), bytes(3200))  # BATCH: served
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert info.load.frontend_lag_ms > 0.001
