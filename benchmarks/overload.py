@@ -1,5 +1,5 @@
 """Overload: more REALTIME sessions than the engine can step in time, with a BATCH flood, with admission by
-headroom (``serve --admit-load``, the default 0.9) and without it (``--admit-load 0``), side by side.
+headroom (``serve --admit-load 0.9``) and without it (``--admit-load 0``, the default), side by side.
 
 Each round starts both servers in turn and runs the latency probe against each: N REALTIME streams whose
 starts are spread over ``--ramp-s`` (so the engine's load is measured as they arrive) and M BATCH sessions
@@ -19,7 +19,7 @@ import sys
 from benchmarks._harness import Server, dump, p, probe
 from cosystream.v1.client import HelpFormatter
 
-CONFIGS = {"admission by load": [], "by count only": ["--admit-load", "0"]}
+CONFIGS = {"admission by load": ["--admit-load", "0.9"], "by count only": ["--admit-load", "0"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,7 +58,9 @@ def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_a
 
 def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
     clock = FakeClock()
-    config_ = EngineConfig(max_sessions=8, max_batch=8, realtime_batch_window_s=0, overload_window_s=1.0)
+    config_ = EngineConfig(
+        max_sessions=8, max_batch=8, realtime_batch_window_s=0, admit_load=0.9, overload_window_s=1.0
+    )
     core = EngineCore([tiny(1, 0)], config_, torch.device("cpu"), None, ["m"], None, clock)
     realtime, batch = int(Priority.REALTIME), int(Priority.BATCH)
     box = send(core, [(ipc.OPEN, 1, realtime, 0)])

@@ -362,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="refuse a new REALTIME session (RESOURCE_EXHAUSTED with a retry delay) when one more would take the "
-        "engine's projected realtime load past this (its busy share; default 0.9; 0: only --max-sessions "
-        "limits); BATCH sessions are slowed instead (docs/DEPLOY.md, 'Overload')",
+        "engine's projected realtime load past this (its busy share; try 0.9; default 0: off, only "
+        "--max-sessions limits); BATCH sessions are slowed instead (docs/DEPLOY.md, 'Overload')",
     )
     serve.add_argument(
         "--admit-lag-ms",
