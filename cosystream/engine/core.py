@@ -281,7 +281,7 @@ class EngineCore:
             self._box(frontend).events.append((ipc.REJECTED, key, what or f"no model {model} in this engine"))
             return
         asked, model = self.names[model], current
-        if priority == Priority.REALTIME:
+        if priority == Priority.REALTIME and self.headroom.admit_load:  # (off: no count per open)
             realtime = sum(self._priority[slot] == Priority.REALTIME for slot in self._slot_of.values())
             why = self.headroom.refuse(realtime)
             if why is not None:
