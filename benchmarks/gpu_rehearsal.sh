@@ -8,7 +8,8 @@
 #      downloaded too, to check that it resolves and that tree + carry fit the 64 MiB a call takes);
 #   3. a PATH without espeak-ng; the wheels installed offline (pip --no-index) by scripts/gpu_env.sh;
 #   4. GPU_REHEARSAL=1 benchmarks/gpu_check.sh and training/gpu.sh (on a toy pack), each run to the point
-#      where CUDA is needed, on the CPU at toy sizes.
+#      where CUDA is needed, on the CPU at toy sizes; the check with a fake NVML (tests/fake_nvml, built with
+#      cc) standing in for the driver's, so the GPU gauges' path runs too.
 # Exit 0 only if both pass. Run by CI; takes 2-4 minutes (the venv is kept in $REHEARSAL between runs).
 #
 #   bash benchmarks/gpu_rehearsal.sh
@@ -58,19 +59,35 @@ export PATH="$R/venv/bin:$R/bin"
 unset PYTHONPATH
 if command -v espeak-ng > /dev/null; then log "espeak-ng is still on the PATH"; exit 1; fi
 
-# 4a. The GPU check.
-rm -rf "$R/site" "$R/check"
+# 4a. The GPU check, its GPU gauges read from the fake NVML (without a C compiler, from none: no gauges).
+rm -rf "$R/site" "$R/check" "$R/nvml"
+mkdir -p "$R/nvml"
+NVML_NAME=none
+if command -v cc > /dev/null; then
+  cc -shared -fPIC -o "$R/nvml/libnvidia-ml.so.1" tests/fake_nvml/fake_nvml.c
+  NVML_NAME="Fake NVML GPU"
+else
+  log "no C compiler: the GPU gauges are rehearsed absent"
+fi
 log "benchmarks/gpu_check.sh"
-GPU_REHEARSAL=1 CARRY=$R/carry SITE=$R/site PYTHON=$VPY OUT=$R/check bash benchmarks/gpu_check.sh
-"$VPY" - "$R/check" <<'PY'
+GPU_REHEARSAL=1 CARRY=$R/carry SITE=$R/site PYTHON=$VPY OUT=$R/check LD_LIBRARY_PATH=$R/nvml \
+  FAKE_NVML_NAME="$NVML_NAME" bash benchmarks/gpu_check.sh
+"$VPY" - "$R/check" "$NVML_NAME" <<'PY'
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, nvml_name = Path(sys.argv[1]), sys.argv[2]
 result = json.loads((out / "gpu_check.json").read_text())
 assert result["passed"], result
 assert result["tests"]["tests"] > 0 and not result["tests"]["failures"] and not result["tests"]["errors"], result
 assert result["step_summary"]["eager_b64_t1_p50_ms"] is None  # toy sizes: batches up to 4
 assert result["capacity"]["10ms"]["runs"] and result["capacity"]["20ms"]["runs"], result
+for run in result["capacity"]["10ms"]["runs"] + result["capacity"]["20ms"]["runs"]:
+    gpu = run["gpu"]
+    if nvml_name == "none":
+        assert gpu == {}, gpu
+    else:  # the fake's values (tests/fake_nvml/fake_nvml.c)
+        assert gpu["0"]["name"] == nvml_name and gpu["0"]["memory_total_bytes"] == 150e9, gpu
+        assert gpu["0"]["utilization_percent"] == 40 and gpu["0"]["clocks_events"] == ["sw_power_cap"], gpu
 for name in ("step.json", "capacity.json", "capacity.png", "tests.xml", "logs.tar.gz"):
     assert (out / name).stat().st_size > 0, name
 assert len(list(out.iterdir())) <= 8, "a call brings back at most 8 files"

@@ -1,5 +1,5 @@
 """Overload: more REALTIME sessions than the engine can step in time, with a BATCH flood, with admission by
-headroom (``serve --admit-load 0.9``) and without it (``--admit-load 0``, the default), side by side.
+headroom (``serve --admit-load 0.9``, the default) and without it (``--admit-load 0``), side by side.
 
 Each round starts both servers in turn and runs the latency probe against each: N REALTIME streams whose
 starts are spread over ``--ramp-s`` (so the engine's load is measured as they arrive) and M BATCH sessions

@@ -3,12 +3,21 @@
 With several processes (frontends + engine), ``cosystream serve`` sets ``PROMETHEUS_MULTIPROC_DIR``
 before any process starts; each process then writes its samples there and the supervisor's HTTP
 endpoint aggregates them.
+
+The supervisor's endpoint also serves the GPU gauges (``cosystream_gpu_*``), read through NVML at each scrape
+by :class:`GpuCollector` (``cosystream/nvml.py``): no thread samples them and no engine records them.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from collections.abc import Iterator
+
+from cosystream.nvml import GpuReading, Nvml, NvmlUnavailable
+
+log = logging.getLogger(__name__)
 
 STEP_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -55,6 +64,13 @@ def _metrics() -> dict:
     ENGINE_OVERLOADED = Gauge(
         "cosystream_engine_overloaded",
         "1 while the projected realtime load has stayed at or over serve --admit-load (engine/headroom.py).",
+        ["engine"],
+        multiprocess_mode="livemax",
+    )
+    DEGRADATION = Gauge(
+        "cosystream_engine_degradation",
+        "What the engine sheds under realtime pressure (engine/headroom.py): 0 nothing, 1 BATCH squeezed, "
+        "2 and interims thinned, 3 and new realtime sessions refused.",
         ["engine"],
         multiprocess_mode="livemax",
     )
@@ -144,6 +160,7 @@ class EngineMetrics:
             self._m["FRAMES"].labels(priority)
             self._m["ACTIVE_SESSIONS"].labels(priority).set(0)
         self._m["ENGINE_SESSIONS"].labels(engine).set(0)
+        self._m["DEGRADATION"].labels(engine).set(0)
 
     def observe_step(self, priority: str, rows: int, frames: int, seconds: float, deadline_misses: int) -> None:
         self._m["FRAMES"].labels(priority).inc(rows * frames)
@@ -173,6 +190,9 @@ class EngineMetrics:
 
     def set_overloaded(self, overloaded: bool) -> None:
         self._m["ENGINE_OVERLOADED"].labels(self.engine).set(int(overloaded))
+
+    def set_degradation(self, stage: int) -> None:
+        self._m["DEGRADATION"].labels(self.engine).set(stage)
 
     def refused_for_load(self) -> None:
         self._m["REFUSED_FOR_LOAD"].labels(self.engine).inc()
@@ -238,16 +258,102 @@ class SecondPassMetrics:
         self._m["SECOND_PASS_BATCH"].observe(size)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Expose ``/metrics`` on ``port`` (aggregating all processes when in multiprocess mode)."""
-    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+# Per GPU, labels gpu (NVML's index), name and uuid: (name, help, GpuReading field).
+GPU_GAUGES = (
+    (
+        "cosystream_gpu_memory_used_bytes",
+        "Device memory in use, by every process on the GPU.",
+        "memory_used_bytes",
+    ),
+    ("cosystream_gpu_memory_total_bytes", "Device memory in all.", "memory_total_bytes"),
+    (
+        "cosystream_gpu_utilization_percent",
+        "Share of NVML's last sample period (1/6 to 1 s) in which a kernel ran on the GPU.",
+        "utilization_percent",
+    ),
+    (
+        "cosystream_gpu_memory_utilization_percent",
+        "Share of NVML's last sample period in which device memory was read or written.",
+        "memory_utilization_percent",
+    ),
+    ("cosystream_gpu_temperature_celsius", "GPU die temperature.", "temperature_celsius"),
+    ("cosystream_gpu_power_watts", "Power drawn by the board.", "power_watts"),
+    ("cosystream_gpu_power_limit_watts", "The power limit the driver enforces.", "power_limit_watts"),
+)
+GPU_CLOCKS_EVENT = "cosystream_gpu_clocks_event_reason"
+GPU_LABELS = ("gpu", "name", "uuid")
 
+
+class GpuCollector:
+    """The GPU gauges, read through NVML when ``/metrics`` is scraped (a prometheus_client custom collector).
+    A field a device does not give is left out of that device's series; a read that fails altogether leaves
+    out the GPU series of that scrape, never the scrape."""
+
+    def __init__(self, nvml: Nvml) -> None:
+        self.nvml = nvml
+        self._failed = False
+
+    def describe(self) -> Iterator:
+        return self._families([])  # the names, for the registry's check against clashes
+
+    def collect(self) -> Iterator:
+        try:
+            readings = self.nvml.read()
+        except Exception:
+            if not self._failed:  # once: a GPU in trouble would say it at every scrape
+                log.exception("GPU gauges: reading NVML failed; they are left out while it fails")
+            self._failed = True
+            readings = []
+        return (family for family in self._families(readings) if family.samples)
+
+    @staticmethod
+    def _families(readings: list[GpuReading]) -> Iterator:
+        from prometheus_client.core import GaugeMetricFamily
+
+        for name, help_text, field in GPU_GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
+            for reading in readings:
+                value = getattr(reading, field)
+                if value is not None:
+                    family.add_metric([str(reading.index), reading.name, reading.uuid], value)
+            yield family
+        family = GaugeMetricFamily(
+            GPU_CLOCKS_EVENT,
+            "1 while NVML gives this reason for the GPU's current clocks (clocks event reasons, formerly throttle "
+            "reasons: sw_power_cap, hw_thermal_slowdown, ...; gpu_idle when idle).",
+            labels=(*GPU_LABELS, "reason"),
+        )
+        for reading in readings:
+            for reason, active in (reading.active_clocks_events() or {}).items():
+                family.add_metric([str(reading.index), reading.name, reading.uuid, reason], int(active))
+        yield family
+
+
+def gpu_collector() -> GpuCollector | None:
+    """The GPU gauges' collector, or None with one INFO line saying why there are none."""
+    try:
+        nvml = Nvml()
+    except NvmlUnavailable as err:
+        log.info("GPU gauges: none on /metrics (%s)", err)
+        return None
+    log.info("GPU gauges on /metrics: %s", nvml.describe())
+    return GpuCollector(nvml)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0", gpu_gauges: bool = True) -> None:
+    """Expose ``/metrics`` on ``port`` (aggregating all processes when in multiprocess mode), with the GPU
+    gauges unless ``gpu_gauges`` is False or NVML has nothing to read."""
+    from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
+
+    registry = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        start_http_server(port, addr=host, registry=registry)
-    else:
-        start_http_server(port, addr=host)
+    start_http_server(port, addr=host, registry=registry)
+    # After the bind: a busy port fails first, with its one line and nothing before it.
+    collector = gpu_collector() if gpu_gauges else None
+    if collector is not None:
+        registry.register(collector)
 
 
 def process_exited(pid: int) -> None:

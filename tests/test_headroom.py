@@ -5,6 +5,7 @@ core, and on a real ``cosystream serve``."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import grpc
@@ -14,31 +15,62 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
-from cosystream.engine.headroom import RETRY_AFTER_S, Headroom
+from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, Headroom
 from cosystream.engine.scheduler import Priority
 from cosystream.server.retry import retry_after_s
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import Served
 from tests.speech import encode, needs_espeak, silence, speech
-from tests.test_adaptive import FakeClock, send, tiny
+from tests.test_adaptive import FRAMES, FakeClock, send, tiny
 from tests.test_server import config, run_stream
+
+
+def line_cost(fixed_ms: float, per_row_ms: float):
+    """A step cost model: ``fixed + per_row x rows`` ms (frames aside)."""
+    return lambda rows, frames: (fixed_ms + per_row_ms * rows) / 1000
 
 
 def test_one_more_session_is_refused_when_its_projected_load_passes_the_limit():
     clock = FakeClock()
     headroom = Headroom(0.9, window_s=1.0, clock=clock)
-    assert headroom.refuse(0) is None  # (nothing measured yet)
+    cost = line_cost(1.0, 1.0)  # a step of 4 rows: 5 ms; of 5: 6 ms
+    assert headroom.refuse(4, cost) is None  # (nothing measured yet)
     for _ in range(4):
-        headroom.observe(0.6)
-    assert headroom.refuse(2) is None  # 0.6 * 3/2 = 0.9: at the limit, admitted
-    why = headroom.refuse(1)  # 0.6 * 2 = 1.2
-    assert why is not None and "projected load 1.20 with one more, limit 0.9)" in why
-    assert headroom.refuse(0) is None  # the first session always: what it costs is not known
-    headroom.observe(0.0)  # the last four windows average 0.45: 0.45 * 2 = 0.9, admitted
-    assert headroom.refuse(1) is None
+        headroom.observe(0.7, rows=4, frames=1)
+    assert headroom.projected(4, cost) == pytest.approx(0.7 * 6 / 5)  # 0.84: admitted
+    assert headroom.refuse(4, cost) is None
+    headroom.observe(0.8, rows=4, frames=1)  # the last four windows: 0.725, x 1.2 = 0.87
+    headroom.observe(0.9, rows=4, frames=1)  # 0.775 x 1.2 = 0.93
+    why = headroom.refuse(4, cost)
+    assert why is not None and "projected load 0.93 with one more, limit 0.9)" in why
+    assert headroom.refuse(0, cost) is None  # the first session always: what it costs is not known
+    # Without a cost model (or before it measured), linear in rows: 0.775 x 5/4 = 0.97.
+    assert headroom.projected(4) == pytest.approx(0.775 * 5 / 4)
+    for _ in range(4):
+        headroom.observe(0.0)  # windows without a realtime step: nothing to project from
+    assert headroom.projected(4, cost) is None and headroom.refuse(4, cost) is None
     assert headroom.refused == 1
-    assert Headroom(0, clock=clock).refuse(1) is None  # 0: off
+    assert Headroom(0, clock=clock).refuse(1, cost) is None  # 0: off
+
+
+def test_one_more_row_of_a_batched_step_costs_its_share_of_the_step_not_a_sessions_share_of_the_load():
+    headroom = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    for _ in range(4):
+        headroom.observe(0.2, rows=1, frames=2)  # one live stream: 0.2, mostly the step's fixed cost
+    # A step of two rows costs 3.2 ms where one costs 3.1 ms: one more stream takes 0.2 to 0.206, not 0.4.
+    assert headroom.projected(1, line_cost(3.0, 0.1)) == pytest.approx(0.2 * 3.2 / 3.1)
+
+
+def test_the_load_of_sessions_just_ended_is_not_charged_to_those_left():
+    headroom = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    cost = line_cost(1.0, 1.0)
+    for _ in range(4):
+        headroom.observe(0.88, rows=10, frames=1)  # ten calls speaking: steps of 10 rows, 11 ms
+    assert headroom.refuse(10, cost) is not None  # 0.88 x 12/11 = 0.96
+    # They end but one: the windows still hold their load, but a step of two rows costs 3 ms, not 11.
+    assert headroom.projected(1, cost) == pytest.approx(0.88 * 3 / 11)
+    assert headroom.refuse(1, cost) is None
 
 
 def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_as_long():
@@ -56,6 +88,41 @@ def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_a
     assert not off.observe(0.99) and off.observe(1.0) and off.overloaded
 
 
+def test_degradation_sheds_batch_then_interims_then_admission_and_comes_back():
+    clock = FakeClock()
+    headroom = Headroom(1.0, window_s=1.0, clock=clock)
+    stages = []
+    for load in [
+        0.5,
+        0.75,
+        0.75,
+        0.75,
+        0.9,
+        0.9,
+        0.9,
+        0.9,
+        1.0,
+        1.0,
+        1.0,
+        0.85,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.1,
+        0.1,
+        0.1,
+    ]:
+        clock.now += 0.5
+        headroom.observe(load)
+        stages.append(int(headroom.stage))
+    # The stages follow the 2 s average (from 0.7 and 0.85 of the limit, until 0.1 under: 0.79 squeezes BATCH,
+    # 0.86 thins interims), admission closes with the overload state (1 s at the limit) and ends with it (1 s
+    # under), and the stages come back down with the average (0.76: thinned still; 0.6: squeezed still).
+    assert stages == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 2, 1, 1, 0, 0, 0], stages
+    assert not headroom.overloaded and headroom.stage == Degradation.NONE
+
+
 def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
     clock = FakeClock()
     config_ = EngineConfig(
@@ -65,7 +132,8 @@ def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
     realtime, batch = int(Priority.REALTIME), int(Priority.BATCH)
     box = send(core, [(ipc.OPEN, 1, realtime, 0)])
     assert [e[0] for e in box.events] == [ipc.OPENED]
-    for _ in range(8):  # 2 s at 0.7 busy: one more realtime session would be 1.4
+    for _ in range(8):  # 2 s at 0.7 busy, a step of the one realtime session in each window
+        send(core, [], {1: FRAMES[:1]})
         clock.now += 0.25
         core.observe_load(0.7 * 0.25)
     assert core.report.load == 0.7 and not core.report.overloaded
@@ -136,8 +204,16 @@ def test_a_loaded_server_refuses_realtime_with_a_retry_delay_serves_batch_and_re
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "at capacity for realtime sessions" in refused.value.details()
             assert retry_after_s(refused.value.trailing_metadata()) == RETRY_AFTER_S
-            finals = run_stream(served.stub(), config(priority=pb.BATCH), sentence)  # BATCH: served
-            assert any("lazy dog" in r.transcript for x in finals for r in x.results if r.is_final), finals
+            assert load.degradation == "admission_closed"  # (and BATCH squeezed, interims thinned)
+            assert served.metric("cosystream_engine_degradation") == 3
+            # BATCH: served, slower, its interims at most every 500 ms of audio.
+            responses = run_stream(served.stub(), config(priority=pb.BATCH, interim_results=True), sentence)
+            results = [r for x in responses for r in x.results]
+            assert any("lazy dog" in r.transcript for r in results if r.is_final), responses
+            interims = [r.end_ms for r in results if not r.is_final]
+            assert len(interims) >= 2 and all(b - a >= THIN_INTERIM_MS for a, b in itertools.pairwise(interims)), (
+                interims
+            )
             served.wait(lambda: served.info().load.refused_for_load >= 1, 10, "the refusal counted")
             assert served.metric("cosystream_rejected_sessions_total", reason="overloaded") >= 1
             assert served.metric("cosystream_engine_overloaded") == 1
@@ -146,7 +222,14 @@ def test_a_loaded_server_refuses_realtime_with_a_retry_delay_serves_batch_and_re
         assert speaker.error is None
         served.wait(lambda: not served.info().load.overloaded, 30, "no longer overloaded once the stream ended")
         served.wait(lambda: load_health(served) == serving, 10, "the load service SERVING again")
+        served.wait(lambda: served.info().load.degradation == "none", 10, "nothing shed once the stream ended")
+        assert served.metric("cosystream_engine_degradation") == 0
         assert any("overloaded: projected realtime load" in line for line in served.log)
+        shed = [line for line in served.log if "degradation " in line and " -> " in line]
+        assert any("-> admission_closed" in line for line in shed) and any("-> none" in line for line in shed), (
+            shed
+        )
+        assert any("interims thinned to one per 500 ms" in line for line in served.log)
         deadline = time.monotonic() + 10
         while True:  # (the next window at rest reopens admission)
             try:

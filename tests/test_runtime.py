@@ -8,7 +8,7 @@ import torch
 
 from cosystream.models import FRAME_SAMPLES
 from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, batch_buckets
-from cosystream.runtime.slab import SlabFullError, StateSlab
+from cosystream.runtime.slab import SlabFullError, StateSlab, plan_slab, slot_bytes
 from tests.conftest import speech_like
 
 
@@ -44,6 +44,35 @@ def test_slab_allocates_nothing_per_session(model):
     for _ in range(10):
         slab.free(slab.alloc())
     assert [t.data_ptr() for t in slab.tensors] == pointers
+
+
+def test_a_slot_costs_what_its_caches_hold(model):
+    slab = StateSlab(model.cache_specs(), 5)
+    assert slot_bytes(model.cache_specs()) * 6 == slab.nbytes  # (5 slots and the scratch one)
+
+
+def test_the_slab_takes_what_the_device_memory_holds_beside_a_margin():
+    gib = 1 << 30
+    plan = plan_slab(256, 1 << 20, free_bytes=100 * gib, total_bytes=140 * gib)
+    assert plan.fits and plan.slots == 256 and plan.margin_bytes == 14 * gib  # (10% of 140 GiB)
+    small = plan_slab(4096, 1 << 20, free_bytes=3 * gib, total_bytes=8 * gib)  # margin 2 GiB: 1 GiB of room
+    assert not small.fits and small.slots == 1024 and small.slab_bytes == gib
+    assert plan_slab(8, 1 << 20, free_bytes=gib, total_bytes=8 * gib).slots == 1  # no room: CUDA says why
+
+
+def test_a_cuda_engine_asked_for_more_slots_than_fit_gets_fewer_and_says_so(model, caplog):
+    from cosystream.engine.core import EngineConfig
+    from cosystream.engine.process import fit_slab
+
+    per_slot = 3 * slot_bytes(model.cache_specs())  # two models' slabs, and room for a model loaded beside
+    config = EngineConfig(max_sessions=64)
+    free = (2 << 30) + 10 * per_slot  # the margin and ten slots
+    with caplog.at_level("INFO", logger="cosystream.engine.process"):
+        fitted = fit_slab(config, [model, model], torch.device("cuda:0"), free, 16 << 30)
+    assert (fitted.max_sessions, fitted.max_batch) == (10, 10)
+    assert "--max-sessions 64 does not fit in cuda:0's free memory" in caplog.text
+    assert f"state slab on cuda:0: 10 slots x {per_slot} bytes" in caplog.text
+    assert fit_slab(config, [model], torch.device("cuda:0"), 100 << 30, 140 << 30) is config
 
 
 # --- runner ---------------------------------------------------------------------------------------------

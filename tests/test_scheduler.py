@@ -602,6 +602,28 @@ def test_batch_share_is_the_duty_minus_what_realtime_took(duty, realtime_share, 
     assert sched.schedule().priority == BATCH
 
 
+@pytest.mark.parametrize("duty", [0.5, 1.0])
+def test_squeezed_batch_gets_only_its_floor_share_and_still_runs(duty):
+    sched, clock = make(max_sessions=8, batch_max_duty=duty, batch_min_duty=0.05)
+    open_session(sched, 1, BATCH)
+    sched.batch_squeezed = True  # (the engine under realtime pressure: engine/headroom.py)
+    sched.add_frames(1, 1000, clock.now)
+    step_s = 0.004
+    for _ in range(3):
+        plan = sched.schedule()
+        assert plan.priority == BATCH
+        clock.now += step_s
+        sched.update_cost(plan.rows, plan.frames, step_s, BATCH)
+        assert sched.schedule() is None  # with nothing realtime to step: 5% of the time, a step per 20
+        assert sched.next_due_s() - clock.now == pytest.approx(19 * step_s)
+        clock.now += 19 * step_s
+    sched.batch_squeezed = False
+    plan = sched.schedule()
+    clock.now += step_s
+    sched.update_cost(plan.rows, plan.frames, step_s, BATCH)
+    assert sched.next_due_s() - clock.now == pytest.approx(step_s * (1 / duty - 1))
+
+
 def test_realtime_share_decays_when_realtime_stops():
     sched, clock = make(max_sessions=8, realtime_load_window_s=0.5)
     open_session(sched, 0, RT)

@@ -171,6 +171,9 @@ DEFAULT_MODEL = Path(cosystream.models.__file__).with_name("default")
         (["--decoder", "beam", "--model", "EMPTY"], "beam decoding needs a language model"),
         (["--beam-size", "0"], "--beam-size must be >= 1"),
         (["--realtime-burst-s", "-1"], "realtime_burst_s must be >= 0"),
+        (["--trace-sample", "0.5"], "--trace-sample goes with --otlp-endpoint"),
+        (["--otlp-endpoint", "collector:4318"], "--otlp-endpoint must be an http:// or https:// URL"),
+        (["--otlp-endpoint", "http://c:4318/v1/traces", "--trace-sample", "2"], "--trace-sample must be between"),
     ],
 )
 def test_serve_refuses_a_bad_decoder_setup_with_one_line(tmp_path, args, message):

@@ -3,12 +3,15 @@ no gRPC and no espeak-ng. Pins the event contract and the session's limits."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.greedy import CtcDecoder
+from cosystream.engine.headroom import THIN_INTERIM_MS
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_SAMPLES
 from cosystream.server.session import END_CONTEXT_FRAMES, Session, SessionConfig
@@ -116,6 +119,39 @@ def test_one_utterance_follows_the_event_contract():
     assert engine.log[-1] == "reset" and engine.resets == 1  # the model state is reset after the final
     assert session.done
     assert all(r.session_id == "s" for r in emitted)
+
+
+class TalkingEngine(FakeEngine):
+    """Answers "a", blank, blank, ... over the stream's frames (not each run's), so the text grows as it goes."""
+
+    frames = 0
+
+    def answer(self) -> None:
+        while self.sent:
+            count = len(self.sent.pop(0))
+            index = np.arange(self.frames, self.frames + count)
+            self.frames += count
+            ids = np.where(index % 3 == 0, 2, 0).astype(np.int32)[:, None]
+            self.session.on_results(ids, np.full(ids.shape, -0.1, np.float32), 0.001, 0.002)
+
+
+def test_thinned_interims_come_at_most_every_500_ms_of_audio_and_the_final_is_the_same():
+    def results(thin: bool) -> list[pb.StreamingResult]:
+        session, _, emitted = make_session()
+        engine = session.engine = TalkingEngine()
+        engine.session = session
+        session.thin_interims = thin  # (the engine sheds interims under load: engine/headroom.py)
+        feed(session, engine, talk())
+        return [r for response in emitted for r in response.results]
+
+    full, thinned = results(False), results(True)
+    interims = [r.end_ms for r in thinned if not r.is_final]
+    assert 1 <= len(interims) < len([r for r in full if not r.is_final]) / 4, (interims, len(full))
+    assert all(b - a >= THIN_INTERIM_MS for a, b in itertools.pairwise(interims)), interims
+    assert interims[0] - thinned[-1].start_ms >= THIN_INTERIM_MS - 300  # (the pre-roll counts as audio)
+    assert [(r.transcript, r.end_ms) for r in thinned if r.is_final] == [
+        (r.transcript, r.end_ms) for r in full if r.is_final
+    ]
 
 
 def test_the_final_waits_for_the_results_of_every_frame_sent():

@@ -338,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="address for /metrics (default: the --host value, so a loopback server keeps its metrics local)",
     )
     serve.add_argument(
+        "--no-gpu-gauges",
+        action="store_true",
+        help="leave the GPU gauges (cosystream_gpu_*, read through NVML at each scrape) out of /metrics; "
+        "without this they are there wherever NVML sees a GPU, whatever --device says",
+    )
+    serve.add_argument(
         "--device",
         default="auto",
         help="auto | cpu | cuda | cuda:N, or one engine per GPU: cuda:all or a list, cuda:0,cuda:1",
@@ -362,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="refuse a new REALTIME session (RESOURCE_EXHAUSTED with a retry delay) when one more would take the "
-        "engine's projected realtime load past this (its busy share; try 0.9; default 0: off, only "
+        "engine's projected realtime load past this (its busy share; default 0.9; 0: off, only "
         "--max-sessions limits); BATCH sessions are slowed instead (docs/DEPLOY.md, 'Overload')",
     )
     serve.add_argument(
@@ -378,6 +384,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the load over --admit-load this long makes the engine overloaded (health service 'load' "
         "NOT_SERVING), and under it this long, no longer (default 5)",
+    )
+    serve.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send per-utterance traces (OpenTelemetry spans: receive, vad, queue, step, decode, send) over "
+        "OTLP/HTTP to this URL, e.g. http://collector:4318/v1/traces (needs the tracing extra; default: off)",
+    )
+    serve.add_argument(
+        "--trace-sample",
+        type=float,
+        default=None,
+        help="the share of utterances traced with --otlp-endpoint (a client's sampled traceparent is always "
+        "followed; default 0.01)",
     )
     serve.add_argument(
         "--model",
@@ -875,6 +895,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             decoder=decoder,
             decoders=decoders,
             vocabularies=getattr(args, "vocabularies", ()),
+            tracing=tracing_config(args),
             second_pass=None
             if (final_model := second_pass_model(args.final_model)) is None
             else SecondPassConfig(
@@ -885,6 +906,21 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             ),
         ),
     )
+
+
+def tracing_config(args: argparse.Namespace):
+    """``--otlp-endpoint`` and ``--trace-sample`` (None: tracing off); ValueError for bad values or a missing
+    extra, said before any process starts."""
+    from cosystream.server.tracing import TracingConfig, tracing_available
+
+    if args.otlp_endpoint is None:
+        if args.trace_sample is not None:
+            raise ValueError("--trace-sample goes with --otlp-endpoint")
+        return None
+    config = TracingConfig(args.otlp_endpoint, **given(sample=args.trace_sample))
+    if not tracing_available():
+        raise ValueError("--otlp-endpoint needs the OpenTelemetry SDK: pip install 'cosystream[tracing]'")
+    return config
 
 
 def second_pass_model(flag: str | None) -> str | None:
@@ -1001,6 +1037,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
         naive=args.naive,
         restarts=restarts,
         metrics_host=args.metrics_host or frontend.host,
+        gpu_gauges=not args.no_gpu_gauges,
     )
     try:
         check_port_free(frontend.host, frontend.port)

@@ -120,6 +120,7 @@ class Supervisor:
         naive: bool = False,
         restarts: RestartPolicy | None = None,
         metrics_host: str = "0.0.0.0",
+        gpu_gauges: bool = True,
     ):
         # One config per engine process (``serve --engines``, ``--device cuda:all``): each its own socket and device.
         self.processes = [process] if isinstance(process, EngineProcessConfig) else list(process)
@@ -128,6 +129,7 @@ class Supervisor:
         self.frontends = frontends
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
+        self.gpu_gauges = gpu_gauges  # on /metrics wherever NVML sees a GPU, whatever the engines' devices
         # Made before any frontend is spawned: they inherit it.
         self.token_sessions = TokenSessions(frontends) if frontend.auth_tokens else None
         self.naive = naive
@@ -138,7 +140,7 @@ class Supervisor:
     def serve_metrics(self) -> None:
         """Bind ``/metrics`` before anything starts, so a busy port fails at once (``OSError``)."""
         if self.metrics_port:
-            serve_metrics(self.metrics_port, self.metrics_host)
+            serve_metrics(self.metrics_port, self.metrics_host, gpu_gauges=self.gpu_gauges)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; 0 after a drain. Raises :class:`ServeError` when it cannot go on."""

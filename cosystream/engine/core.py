@@ -35,7 +35,15 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig, AdaptivePolicy, Switch
 from cosystream.engine.frame_queue import FrameQueue
-from cosystream.engine.headroom import ADMIT_LOAD, OVERLOAD_WINDOW_S, RETRY_AFTER_S, Headroom, LoadReport
+from cosystream.engine.headroom import (
+    ADMIT_LOAD,
+    OVERLOAD_WINDOW_S,
+    RETRY_AFTER_S,
+    THIN_INTERIM_MS,
+    Degradation,
+    Headroom,
+    LoadReport,
+)
 from cosystream.engine.scheduler import (
     BATCH_STEP_BUDGET_S,
     DEADLINE_S,
@@ -213,6 +221,7 @@ class EngineCore:
             metrics.set_fallback(heavy, False)  # (the series exists from start-up)
         self.headroom = Headroom(config.admit_load, config.overload_window_s, clock)
         self.report: LoadReport | None = None  # the last window's, for the frontends (ACTIVE)
+        self._realtime_steps = (0, 0, 0)  # this load window's realtime steps: (steps, rows, frames) summed
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
@@ -283,7 +292,7 @@ class EngineCore:
         asked, model = self.names[model], current
         if priority == Priority.REALTIME and self.headroom.admit_load:  # (off: no count per open)
             realtime = sum(self._priority[slot] == Priority.REALTIME for slot in self._slot_of.values())
-            why = self.headroom.refuse(realtime)
+            why = self.headroom.refuse(realtime, self._realtime_step_cost)
             if why is not None:
                 self._box(frontend).events.append((ipc.REJECTED, key, why, RETRY_AFTER_S, "overloaded"))
                 if self.metrics is not None:
@@ -423,7 +432,10 @@ class EngineCore:
 
     def _observe_window(self, load: float) -> None:
         """A load window ended: the overload state, the metrics and the frontends' report."""
-        if self.headroom.observe(load):
+        steps, rows, frames = self._realtime_steps
+        self._realtime_steps = (0, 0, 0)
+        stage = self.headroom.stage
+        if self.headroom.observe(load, rows / steps if steps else 0.0, frames / steps if steps else 0.0):
             limit = self.headroom.limit
             if self.headroom.overloaded:
                 log.warning(
@@ -435,6 +447,8 @@ class EngineCore:
                 )
             else:
                 log.info("no longer overloaded: projected realtime load %.2f under %g", load, limit)
+        if self.headroom.stage != stage:
+            self._degrade(stage, load)
         if self.metrics is not None:
             self.metrics.set_load(load)
             self.metrics.set_overloaded(self.headroom.overloaded)
@@ -448,7 +462,29 @@ class EngineCore:
             overloaded=self.headroom.overloaded,
             admit_load=self.headroom.admit_load,
             refused=self.headroom.refused,
+            stage=self.headroom.stage,
         )
+
+    def _degrade(self, before: Degradation, load: float) -> None:
+        """The degradation stage changed (``engine/headroom.py``): BATCH squeezed or not, said and counted."""
+        stage = self.headroom.stage
+        self.scheduler.batch_squeezed = stage >= Degradation.BATCH_SQUEEZED
+        (log.warning if stage > before else log.info)(
+            "degradation %s -> %s: projected realtime load %.2f (2 s: %.2f) of %g%s",
+            before.name.lower(),
+            stage.name.lower(),
+            load,
+            self.headroom.recent,
+            self.headroom.limit,
+            {
+                Degradation.NONE: "; nothing shed",
+                Degradation.BATCH_SQUEEZED: "; BATCH steps squeezed to their floor share",
+                Degradation.INTERIMS_THINNED: f"; BATCH squeezed, interims at most every {THIN_INTERIM_MS} ms",
+                Degradation.ADMISSION_CLOSED: "; BATCH squeezed, interims thinned, new realtime sessions refused",
+            }[stage],
+        )
+        if self.metrics is not None:
+            self.metrics.set_degradation(int(stage))
 
     def _project(self, plan: StepPlan, compute_s: float) -> None:
         """What a realtime step with rows on a LIGHT fallback would have cost more on HEAVY (the scheduler's
@@ -523,9 +559,17 @@ class EngineCore:
         self.update_from_output(plan, result, compute_s)
         if plan.priority is Priority.BATCH:
             self._batch_s += compute_s
-        elif self._fallbacks:
-            self._project(plan, compute_s)
+        else:
+            steps, rows, frames = self._realtime_steps
+            self._realtime_steps = (steps + 1, rows + plan.rows, frames + plan.frames)
+            if self._fallbacks:
+                self._project(plan, compute_s)
         return plan
+
+    def _realtime_step_cost(self, rows: int, frames: int) -> float:
+        """The scheduler's estimate of a realtime step of the default model (headroom's projection)."""
+        model = next(iter(self.served.values()))
+        return self.scheduler.estimate_cost_s(min(rows, self.config.max_batch), frames, model)
 
     def update_from_output(self, plan: StepPlan, result: StepResult, compute_s: float) -> None:
         """File a step's result back: its cost to the scheduler, each row's tokens to its frontend's outbox,

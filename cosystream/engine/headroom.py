@@ -2,13 +2,24 @@
 to step it in time, not merely while a slot is free.
 
 The signal is the engine's **projected realtime load** (``engine/adaptive.py``: the share of wall time its
-loop is busy with realtime work, BATCH steps left out), averaged over the last :data:`RECENT_WINDOWS`
-windows (2 s) so that one slow window (a collection, a model load beside the loop) does not close the door.
-A new REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when the
-load with one more session, projected linearly from the realtime sessions open (``load * (n + 1) / n``),
-would pass ``admit_load`` (``serve --admit-load``, off by default: :data:`ADMIT_LOAD`). Linear is the cautious side:
-a batched step costs less than its rows alone would. BATCH sessions are not refused for load: they are
-stepped only in the time realtime leaves (``engine/scheduler.py``), so load slows them instead.
+loop is busy with realtime work, BATCH steps left out), averaged over the last :data:`RECENT_WINDOWS` windows
+(2 s) so that one slow window (a collection, a model load beside the loop) does not close the door. What one
+more session would add comes from the scheduler's **step cost model** (the measured time of a step per row
+bucket and frames, ``Scheduler.estimate_cost_s``), not from a share per session: a batched step costs little
+more for one more row, so the load is scaled by ``cost(rows + 1) / cost(rows)``, ``rows`` the mean rows of the
+windows' realtime steps. With fewer sessions open now than those steps had (a burst of calls just ended),
+``cost(open + 1) / cost(rows)``: the load of sessions that have ended is not charged to those left. A new
+REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when that projection
+would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`). Before the cost model has measured
+both sizes, the projection is linear in rows (the cautious side). BATCH sessions are not refused for load:
+they are stepped only in the time realtime leaves (``engine/scheduler.py``), so load slows them instead.
+
+Under realtime pressure the engine sheds work in **stages** (:class:`Degradation`), the cheapest to lose
+first, each keeping the ones before it, each a log line and the gauge ``cosystream_engine_degradation``, and
+each undone on its own once the load falls: BATCH steps squeezed to their floor share of the engine's time
+(``engine/scheduler.py``: they slow down, never fail), then interims thinned (every frontend sends each
+stream's interims at most every :data:`THIN_INTERIM_MS` of audio; finals never), then admission closed
+(overloaded, below).
 
 The engine is **overloaded** once the projected load has stayed at or over ``admit_load`` for
 ``window_s`` (``--overload-window-s``), and no longer once it has stayed under for as long: the frontends'
@@ -17,23 +28,42 @@ The engine is **overloaded** once the projected load has stayed at or over ``adm
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 
-ADMIT_LOAD = 0.0
-"""Projected realtime load past which new REALTIME sessions are refused (``serve --admit-load``; 0.9 is
-the value to try). 0, the default: off. Off until the projection is right: it scales the last 2 s of load
-by the realtime sessions open now, so just after a burst of sessions ends it counts their load on the
-few left (measured: 10 telephone calls ended, one left, one more refused at "1.04"); the overload state
-then uses 1.0."""
+ADMIT_LOAD = 0.9
+"""Projected realtime load past which new REALTIME sessions are refused (``serve --admit-load``); 0: off,
+the overload state then uses 1.0 (an engine busy all the time)."""
 OVERLOAD_WINDOW_S = 5.0
 """How long the load must stay over (or under) ``admit_load`` for the engine to be (or stop being)
 overloaded (``serve --overload-window-s``)."""
 RETRY_AFTER_S = 2.0
 """The retry delay a session refused for load is given (RetryInfo): a few load windows."""
 RECENT_WINDOWS = 4  # load windows (0.5 s each) averaged for admission
+
+THIN_INTERIM_MS = 500
+"""A stream's interims are at most this much audio apart while interims are thinned."""
+
+
+class Degradation(IntEnum):
+    """What the engine sheds under realtime pressure; each stage keeps the ones before it."""
+
+    NONE = 0
+    BATCH_SQUEEZED = 1  # BATCH steps get only their floor share of the engine's time (scheduler.BATCH_MIN_DUTY)
+    INTERIMS_THINNED = 2  # interims at most every THIN_INTERIM_MS of audio; finals never
+    ADMISSION_CLOSED = 3  # overloaded: new REALTIME sessions refused, health "load" NOT_SERVING
+
+
+STAGE_AT = {Degradation.BATCH_SQUEEZED: 0.7, Degradation.INTERIMS_THINNED: 0.85}
+"""The recent load, as a share of the limit, at which a stage begins; it ends :data:`STAGE_HYSTERESIS` under."""
+STAGE_HYSTERESIS = 0.1
+
+StepCost = Callable[[int, int], float]
+"""(rows, frames) -> the estimated seconds of a realtime step that size (``math.inf``: not known yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +78,7 @@ class LoadReport:
     overloaded: bool
     admit_load: float  # the limit (0: admission by load is off)
     refused: int  # REALTIME sessions refused for load since start-up
+    stage: Degradation = Degradation.NONE  # what is being shed
 
 
 class Headroom:
@@ -68,11 +99,13 @@ class Headroom:
         self.admit_load = admit_load or 0.0
         self.window_s = window_s
         self._clock = clock
-        self._recent: deque[float] = deque(maxlen=RECENT_WINDOWS)
+        # Per window: (load, mean rows, mean frames of its realtime steps; 0 and 0 without any).
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=RECENT_WINDOWS)
         self.overloaded = False
         self._since = clock()  # when the load last crossed the limit
         self._over = False  # the last window's load was at or over the limit
         self.refused = 0
+        self.stage = Degradation.NONE
 
     @property
     def limit(self) -> float:
@@ -81,26 +114,52 @@ class Headroom:
     @property
     def recent(self) -> float:
         """The projected load, averaged over the last windows (0 before the first)."""
-        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+        return sum(load for load, _, _ in self._recent) / len(self._recent) if self._recent else 0.0
 
-    def observe(self, load: float) -> bool:
-        """A window's projected load; True when the overload state changed (see :attr:`overloaded`)."""
+    def projected(self, realtime: int, cost: StepCost | None = None) -> float | None:
+        """The load with one more REALTIME session, ``realtime`` open now; None: nothing to project from (no
+        realtime step in the last windows)."""
+        stepped = [(rows, frames) for _, rows, frames in self._recent if rows]
+        if not stepped:
+            return None
+        rows = max(1, round(sum(r for r, _ in stepped) / len(stepped)))
+        frames = max(1, round(sum(f for _, f in stepped) / len(stepped)))
+        ref = min(rows, realtime)
+        now, more = (math.inf, math.inf) if cost is None else (cost(rows, frames), cost(ref + 1, frames))
+        if 0 < now < math.inf and more < math.inf:
+            growth = more / now if ref < rows else max(1.0, more / now)
+        else:
+            growth = (ref + 1) / rows  # (linear: the cautious side)
+        return self.recent * growth
+
+    def observe(self, load: float, rows: float = 0.0, frames: float = 0.0) -> bool:
+        """A window's projected load, with the mean rows and frames of its realtime steps (0: none); True when
+        the overload state changed (see :attr:`overloaded`). Updates :attr:`stage`."""
         now = self._clock()
-        self._recent.append(load)
+        self._recent.append((load, rows, frames))
         over = load >= self.limit
         if over != self._over:
             self._over, self._since = over, now
-        if over != self.overloaded and now - self._since >= self.window_s:
+        changed = over != self.overloaded and now - self._since >= self.window_s
+        if changed:
             self.overloaded = over
-            return True
-        return False
+        self.stage = self._stage()
+        return changed
 
-    def refuse(self, realtime: int) -> str | None:
-        """Why a new REALTIME session is refused, with ``realtime`` open; None: admitted."""
-        if not self.admit_load or realtime == 0:
-            return None  # (the first session always: the load it would add is not known)
-        projected = self.recent * (realtime + 1) / realtime
-        if projected <= self.admit_load:
+    def _stage(self) -> Degradation:
+        if self.overloaded:
+            return Degradation.ADMISSION_CLOSED
+        share, stage = self.recent / self.limit, Degradation.NONE
+        for begins, at in STAGE_AT.items():
+            if share >= at or (self.stage >= begins and share >= at - STAGE_HYSTERESIS):
+                stage = begins
+        return stage
+
+    def refuse(self, realtime: int, cost: StepCost | None = None) -> str | None:
+        """Why a new REALTIME session is refused, with ``realtime`` open; None: admitted. ``cost``: the
+        scheduler's step cost model (None: linear in rows)."""
+        projected = self.projected(realtime, cost) if self.admit_load and realtime else None
+        if projected is None or projected <= self.admit_load:  # (the first session always: its cost is unknown)
             return None
         self.refused += 1
         return (

@@ -40,6 +40,7 @@ from cosystream.models.loading import (
     vocabulary_kind,
 )
 from cosystream.runtime.runner import GraphMode, Runner
+from cosystream.runtime.slab import plan_slab, slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +254,8 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
     started = time.perf_counter()
     sources = config.models or model_sources([])
     models = [load_model(source.path, device=device, precision=source.precision) for source in sources]
+    if device.type == "cuda":
+        engine_config = fit_slab(engine_config, models, device, *torch.cuda.mem_get_info(device))
     metrics = EngineMetrics(str(config.index or 0))
     core = EngineCore(models, engine_config, device, metrics, [source.name for source in sources], config.adaptive)
     warm_up(core)
@@ -271,6 +274,43 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
         ),
     )
     return core
+
+
+def fit_slab(
+    engine_config: EngineConfig, models: Sequence, device: torch.device, free_bytes: int, total_bytes: int
+) -> EngineConfig:
+    """``engine_config`` with as many slots as ``device``'s free memory holds (``runtime.slab.plan_slab``): the
+    ``--max-sessions`` asked, or fewer, said in the log; the slab's size is logged either way."""
+    per_slot = sum(slot_bytes(model.cache_specs()) for model in models) + max(
+        slot_bytes(model.cache_specs()) for model in models
+    )  # (every model's slab, and a version loaded beside the largest while serving)
+    plan = plan_slab(engine_config.max_sessions, per_slot, free_bytes, total_bytes)
+    gib = 1 << 30
+    if not plan.fits:
+        log.warning(
+            "--max-sessions %d does not fit in %s's free memory (%.1f of %.1f GiB, %.1f GiB kept free, %d "
+            "bytes a slot): %d slots",
+            plan.asked,
+            device,
+            free_bytes / gib,
+            total_bytes / gib,
+            plan.margin_bytes / gib,
+            per_slot,
+            plan.slots,
+        )
+    log.info(
+        "state slab on %s: %d slots x %d bytes = %.1f MiB (device memory %.1f GiB free of %.1f GiB)",
+        device,
+        plan.slots,
+        per_slot,
+        plan.slab_bytes / (1 << 20),
+        free_bytes / gib,
+        total_bytes / gib,
+    )
+    if plan.fits:
+        return engine_config
+    max_batch = min(engine_config.max_batch or plan.slots, plan.slots)
+    return dataclasses.replace(engine_config, max_sessions=plan.slots, max_batch=max_batch)
 
 
 def warm_up(core: EngineCore) -> None:
@@ -334,7 +374,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
     info = server_info(
         core.model,
         core.device,
-        config.engine.max_sessions,
+        core.config.max_sessions,  # (on CUDA, what the device's memory holds: fit_slab)
         core.runner.config.graph_mode,
         core.runner.top_k,
         infos,

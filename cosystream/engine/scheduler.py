@@ -226,6 +226,8 @@ class Scheduler:
         # Arrival of the oldest frame waiting in _ready_rt.
         self._rt_waiting_since = math.inf
         self._batch_allowed_s = -math.inf  # the duty cap's earliest time for the next BATCH step
+        # Under realtime pressure (engine/headroom.py's BATCH_SQUEEZED), BATCH gets only batch_min_duty.
+        self.batch_squeezed = False
         self._last_batch_s = 0.0  # the last BATCH step's measured seconds
         # The time after which a BATCH step runs even with realtime frames due (batch_min_duty's floor).
         self._batch_floor_s = -math.inf
@@ -571,7 +573,9 @@ class Scheduler:
             now = self._clock()
             self._last_batch_s = seconds
             self._batch_floor_s = now + seconds * (1 / c.batch_min_duty - 1)
-            if c.batch_max_duty < 1:
+            if self.batch_squeezed:  # (realtime pressure, engine/headroom.py: BATCH gets its floor share)
+                self._batch_allowed_s = self._batch_floor_s
+            elif c.batch_max_duty < 1:
                 share = max(c.batch_min_duty, c.batch_max_duty - self.realtime_share())
                 self._batch_allowed_s = now + seconds * (1 / share - 1)
         key = (self._row_bucket(rows), frames)

@@ -9,9 +9,52 @@ and only zeroes rows of it, ``reset``, handing out the slots itself.)
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from cosystream.models.contract import CacheSpec
+
+SLAB_MARGIN_BYTES = 2 << 30
+"""Device memory a CUDA engine leaves free beyond its slabs, at least: CUDA graphs' pool, the step's
+activations, cuBLAS's workspace, a model loaded while serving (``SLAB_MARGIN_SHARE`` of the device if more)."""
+SLAB_MARGIN_SHARE = 0.1
+
+
+def slot_bytes(specs: list[CacheSpec]) -> int:
+    """One slot's caches, in bytes."""
+    return sum(math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size() for spec in specs)
+
+
+@dataclass(frozen=True, slots=True)
+class SlabPlan:
+    """How many slots a device's free memory holds (:func:`plan_slab`)."""
+
+    slots: int  # what the engine allocates: the slots asked, or fewer where they do not fit
+    asked: int
+    slot_bytes: int  # per slot, every slab counted (one per model, and one more for a model loaded beside)
+    free_bytes: int
+    total_bytes: int
+    margin_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.slots == self.asked
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+def plan_slab(asked: int, slot_bytes: int, free_bytes: int, total_bytes: int) -> SlabPlan:
+    """The slots to allocate on a device with ``free_bytes`` of ``total_bytes`` free: ``asked`` (``--max-sessions``)
+    where they fit beside the margin, else as many as do (at least 1: a device with no room at all fails
+    where the allocation does, with CUDA's own message)."""
+    margin = max(SLAB_MARGIN_BYTES, int(SLAB_MARGIN_SHARE * total_bytes))
+    room = max(0, free_bytes - margin)
+    fit = room // slot_bytes if slot_bytes else asked
+    return SlabPlan(max(1, min(asked, fit)), asked, slot_bytes, free_bytes, total_bytes, margin)
 
 
 class SlabFullError(RuntimeError):

@@ -31,8 +31,9 @@ from cosystream.server.engine_client import Engine, EngineClient
 from cosystream.server.engine_pool import EnginePool
 from cosystream.server.http import HttpConfig
 from cosystream.server.quota import TokenSessions
-from cosystream.server.servicer import CosyStreamServicer, StreamOptions
+from cosystream.server.servicer import CosyStreamServicer, StreamOptions, thinning
 from cosystream.server.tls import ReloadingCredentials, TlsConfig
+from cosystream.server.tracing import UtteranceTracer, start_tracing
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.client import DEFAULT_PORT
@@ -101,6 +102,7 @@ class Frontend:
         self.server: grpc.aio.Server | None = None
         self.servicer: CosyStreamServicer | None = None
         self.second_pass: SecondPass | None = None  # its worker process, with config.stream.second_pass
+        self.tracer: UtteranceTracer | None = None  # with config.stream.tracing
         self.http = None  # the HttpServer, when config.http is set
         self.health = health.aio.HealthServicer()
         self.port = config.port
@@ -122,6 +124,8 @@ class Frontend:
         )
 
     def _health_changed(self) -> None:
+        if self.servicer is not None:
+            self.servicer.thin_interims_now(thinning(self.engine.loads()))
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.get_running_loop().create_task(self._apply_health())
 
@@ -160,8 +164,10 @@ class Frontend:
         if self.config.stream.second_pass is not None:
             self.second_pass = SecondPass(self.config.stream.second_pass, SecondPassMetrics())
             await self.second_pass.start()  # raises ModelError: the model cannot be used
+        tracing = self.config.stream.tracing
+        self.tracer = None if tracing is None else start_tracing(tracing)  # (ImportError: the extra is missing)
         self.servicer = CosyStreamServicer(
-            self.engine, self.config.stream, FrontendMetrics(), self.token_sessions, self.second_pass
+            self.engine, self.config.stream, FrontendMetrics(), self.token_sessions, self.second_pass, self.tracer
         )
         options = [
             ("grpc.so_reuseport", 1),
@@ -269,6 +275,8 @@ class Frontend:
             self.second_pass.close()
         if self.servicer is not None:
             self.servicer.lag.stop()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # (the spans batched so far are sent)
         self.engine.close_connection()
 
     async def wait(self) -> None:

@@ -35,7 +35,7 @@ from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.greedy import MAX_ALTERNATIVES
 from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.decoding.phrases import normalize as normalize_phrases
-from cosystream.engine.headroom import RETRY_AFTER_S, LoadReport
+from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, LoadReport
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
@@ -51,6 +51,7 @@ from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.retry import retry_metadata
 from cosystream.server.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
+from cosystream.server.tracing import TracingConfig, UtteranceTracer
 from cosystream.server.usage import Lease, UsageExceeded
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
@@ -87,6 +88,8 @@ class StreamOptions:
     admit_lag_s: float = ADMIT_LAG_S
     # Named vocabularies (serve --vocabulary NAME=FILE): name -> its phrases (decoding.phrases.read_vocabulary).
     vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
+    # Per-utterance traces over OTLP (serve --otlp-endpoint, --trace-sample; tracing.py); None: off.
+    tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.admit_lag_s < math.inf:
@@ -228,7 +231,13 @@ def load_status(loads: list[LoadReport | None], lag_s: float = 0.0) -> pb.LoadSt
         overloaded=all(load.overloaded for load in known),
         admit_load=known[0].admit_load,
         refused_for_load=sum(load.refused for load in known),
+        degradation=max(load.stage for load in known).name.lower(),
     )
+
+
+def thinning(loads: list[LoadReport | None]) -> bool:
+    """Whether streams' interims are thinned: an engine sheds that much (``engine/headroom.py``)."""
+    return any(load is not None and load.stage >= Degradation.INTERIMS_THINNED for load in loads)
 
 
 def model_message(model: ModelInfo, is_default: bool) -> pb.ModelInfo:
@@ -305,7 +314,7 @@ class StreamState(IntEnum):
 class _Stream:
     """The glue between one gRPC stream, its Session and the engine channel."""
 
-    def __init__(self, servicer: CosyStreamServicer, config: SessionConfig):
+    def __init__(self, servicer: CosyStreamServicer, config: SessionConfig, trace_parent=None):
         self.servicer = servicer
         self.engine = servicer.engine
         self.key = self.engine.new_key()
@@ -351,7 +360,10 @@ class _Stream:
                 config.word_time_offsets,
                 config.hotwords,
             ),
+            tracer=servicer.tracer,
+            trace_parent=trace_parent,
         )
+        self.session.thin_interims = servicer.thin_interims
         self.reader: asyncio.Task | None = None
         self.handler: asyncio.Task | None = None  # the gRPC handler's task (a cut may cancel it)
         self.token = current_token()  # who opened it (None: authentication is off)
@@ -659,13 +671,17 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         metrics: FrontendMetrics | None = None,
         token_sessions: TokenSessions | None = None,
         second_pass: SecondPass | None = None,
+        tracer: UtteranceTracer | None = None,
     ):
         """``token_sessions``: the per-token session counts shared by the server's frontends;
-        ``second_pass``: the frontend's second-pass worker (finals from it), None: off."""
+        ``second_pass``: the frontend's second-pass worker (finals from it), None: off; ``tracer``: utterances
+        are traced (``tracing.py``), None: off."""
         self.engine = engine
         self.token_sessions = token_sessions or TokenSessions()
         self.options = options
         self.second_pass = second_pass
+        self.tracer = tracer
+        self.thin_interims = False  # (thin_interims_now)
         self.metrics = metrics or FrontendMetrics()
         self._vocabularies = dict(options.vocabularies)
         self.lag = LoopLag()  # (sampling from the first stream on)
@@ -674,6 +690,25 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.models = ModelDecoders(
             engine, options.decoder, options.decoders, options.vocabularies, self._phrase_lists
         )
+
+    def thin_interims_now(self, thin: bool) -> None:
+        """Thin every stream's interims (an engine sheds them, ``engine/headroom.py``), or no longer."""
+        if thin == self.thin_interims:
+            return
+        self.thin_interims = thin
+        log.log(
+            logging.WARNING if thin else logging.INFO,
+            "interims %s for %d stream(s) of this frontend",
+            f"thinned to one per {THIN_INTERIM_MS} ms of audio" if thin else "no longer thinned",
+            len(self._streams),
+        )
+        for stream in self._streams:
+            stream.session.thin_interims = thin
+
+    def _trace_parent(self, context):
+        """The trace a client's ``traceparent`` metadata names (tracing on), else None."""
+        metadata = getattr(context, "invocation_metadata", None) if self.tracer is not None else None
+        return None if metadata is None else self.tracer.parent(dict(metadata() or ()))
 
     def vocabulary(self, name: str) -> tuple[str, tuple[Phrase, ...]] | None:
         """The named vocabulary ``name`` as (name, phrases); None for "" (none asked)."""
@@ -773,7 +808,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             yield _last_response("", refused)
             await _abort(context, refused)
 
-        stream = _Stream(self, config)  # no side effects until the try below owns it
+        stream = _Stream(self, config, self._trace_parent(context))  # no side effects until the try owns it
         outcome = "ok"
         try:
             self._streams.add(stream)

@@ -33,12 +33,16 @@ from cosystream.audio.streams import open_stream_audio
 from cosystream.audio.vad import Vad
 from cosystream.decoding.beam import BeamCtcDecoder
 from cosystream.decoding.greedy import CtcDecoder
+from cosystream.engine.headroom import THIN_INTERIM_MS
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
 from cosystream.server.final_pass import STREAMING, FinalPass, Held
+from cosystream.server.tracing import UtteranceTrace, UtteranceTracer
 from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_THIN_INTERIM_FRAMES = THIN_INTERIM_MS // FRAME_MS
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,7 @@ class _Utterance:
         "start_frame",
         "started_s",
         "text_changed",
+        "trace",
     )
 
     def __init__(self, index: int, start: Decision, started_s: float):
@@ -146,6 +151,7 @@ class _Utterance:
         self.first_result_sent = False
         self.text_changed = False
         self.interim_at = 0  # frames received when the last interim was sent
+        self.trace: UtteranceTrace | None = None  # when traced (serve --otlp-endpoint, sampled)
 
 
 class Session:
@@ -168,10 +174,13 @@ class Session:
         model_version: str = "",
         pacer: AudioPacer | None = None,
         final_pass: FinalPass | None = None,
+        tracer: UtteranceTracer | None = None,
+        trace_parent=None,
     ):
         """``pacer``: paces the speech of a REALTIME stream (``feed_audio`` says how long to wait); None: not
         paced (BATCH streams, which use only what REALTIME leaves). ``final_pass``: each final waits for the
-        second pass (call :meth:`resume` when it answers); None: finals from the streaming model."""
+        second pass (call :meth:`resume` when it answers); None: finals from the streaming model. ``tracer``:
+        utterances are traced (``tracing.py``; ``trace_parent``: the client's trace, from its metadata)."""
         self.key = key
         self.session_id = session_id
         self.config = config
@@ -183,6 +192,10 @@ class Session:
         self.clock = clock
         self.pacer = pacer
         self.final_pass = final_pass
+        self.tracer, self.trace_parent = tracer, trace_parent
+        # Interims at most every THIN_INTERIM_MS of audio (the engine sheds them under load: engine/headroom.py).
+        self.thin_interims = False
+        self._final_traces: dict[int, UtteranceTrace] = {}  # finals built, not yet sent, by utterance index
         # A model with right context outputs each frame this much later: an utterance's end-of-utterance
         # silence includes that much more, so its last words come out, and word times are moved back by it.
         self.output_delay_frames = output_delay_frames
@@ -295,6 +308,8 @@ class Session:
                     return  # the previous utterance's final has not been sent yet
                 self._utterance = _Utterance(self._utterances, payload, received_s)
                 self._utterances += 1
+                if self.tracer is not None:
+                    self._utterance.trace = self._start_trace(self._utterance)
                 self._event(pb.SpeechEvent.SPEECH_STARTED, payload.start_ms, received_s)
             elif kind == _FRAMES:
                 utterance = self._utterance
@@ -306,6 +321,8 @@ class Session:
                 if self.final_pass is not None:
                     self.final_pass.keep(frames)
                 utterance.sent += len(frames)
+                if utterance.trace is not None:
+                    utterance.trace.audio(received_s)
                 self._audio_frames_sent += len(frames)
                 self._arrivals.append((utterance.sent, received_s))
                 self._queued_frames -= len(frames)
@@ -316,6 +333,9 @@ class Session:
                 utterance = self._utterance
                 if utterance.end is None:
                     utterance.end = payload
+                    if utterance.trace is not None:
+                        reason = str(payload.end_reason or "")
+                        utterance.trace.endpoint(reason, received_s)
                     self._event(pb.SpeechEvent.SPEECH_ENDED, payload.end_ms, received_s)
                 if not utterance.flushed and utterance.sent:
                     # The model's last words need context after them: the VAD's silence hangover gives it;
@@ -348,6 +368,14 @@ class Session:
         """The stream is over (every exit path): a second-pass job still waiting is dropped."""
         if self.final_pass is not None:
             self.final_pass.close()
+        traces = [*self._final_traces.values()]
+        if self._utterance is not None and self._utterance.trace is not None:
+            traces.append(self._utterance.trace)
+        for trace in traces:
+            trace.abandon("the stream ended before this utterance's final was sent", self.clock())
+        self._final_traces.clear()
+        if self._utterance is not None:
+            self._utterance.trace = None
 
     # --- engine results ----------------------------------------------------------------------------
 
@@ -361,6 +389,8 @@ class Session:
         utterance.text_changed |= self._ctc.push(ids, logprobs, first)
         utterance.received += len(ids)
         self._last_queue_s, self._last_compute_s = queue_s, compute_s
+        if utterance.trace is not None:
+            utterance.trace.step(queue_s, compute_s, self.clock())
         # An interim describes the newest audio: while a burst (an onset's pre-roll, audio sent faster
         # than real time) is being stepped, send one when every frame sent has its result, or at most
         # every ``_interim_backlog_frames`` of audio (a little more than an onset's burst).
@@ -370,6 +400,7 @@ class Session:
             and self.config.interim_results
             and utterance.end is None
             and (caught_up or utterance.received - utterance.interim_at >= self._interim_backlog_frames)
+            and (not self.thin_interims or utterance.received - utterance.interim_at >= _THIN_INTERIM_FRAMES)
             and self._ctc.text
         ):
             utterance.text_changed = False
@@ -414,7 +445,24 @@ class Session:
             response.latency.receive_to_send_ms = (self.clock() - received_s) * 1e3
             if self.on_result_latency is not None:
                 self.on_result_latency(response.latency.receive_to_send_ms / 1e3)
+            if self._final_traces and response.results[0].is_final:
+                self._send_traced(response)
+                return
         self.emit(response)
+
+    # --- traces (tracing.py) -------------------------------------------------------------------------
+
+    def _start_trace(self, utterance: _Utterance) -> UtteranceTrace | None:
+        priority = self.config.priority.name.lower()
+        attributes = UtteranceTrace.attributes(self.session_id, utterance.index, priority, self.model_name)
+        return self.tracer.start(utterance.started_s, attributes, self.trace_parent)
+
+    def _send_traced(self, response: pb.StreamingRecognizeResponse) -> None:
+        trace = self._final_traces.pop(response.results[0].utterance_index, None)
+        ready_s = self.clock()
+        self.emit(response)
+        if trace is not None:
+            trace.sent(ready_s, self.clock(), response.results[0])
 
     def _newest_arrival(self, utterance: _Utterance) -> float:
         """Receive time of the chunk that completed the newest frame with a result."""
@@ -423,7 +471,9 @@ class Session:
             arrival = self._arrivals.popleft()[1]
         return arrival
 
-    def _result(self, utterance: _Utterance, is_final: bool) -> None:
+    def _result(
+        self, utterance: _Utterance, is_final: bool, trace: UtteranceTrace | None = None, decode_s: float = 0.0
+    ) -> None:
         received_s = self._newest_arrival(utterance)
         text = self._ctc.text
         if utterance.end is not None and is_final:
@@ -456,6 +506,9 @@ class Session:
         held = None
         if is_final and self.final_pass is not None:  # (the response's copy of the result is the one changed)
             held = self.final_pass.take(utterance.index, response.results[0], utterance.first_frame * FRAME_MS)
+        if trace is not None:
+            trace.decoded(decode_s, self.clock())
+            trace.held = held is not None
         self._send(response, received_s, held)
         if text and not utterance.first_result_sent:
             utterance.first_result_sent = True
@@ -476,8 +529,12 @@ class Session:
         ]
 
     def _final(self, utterance: _Utterance) -> None:
+        trace, decode_s = utterance.trace, self.clock()
+        if trace is not None:  # (_result may send it at once: the trace waits for it from here)
+            self._final_traces[utterance.index] = trace
+            utterance.trace = None
         self._ctc.finalize()
-        self._result(utterance, is_final=True)
+        self._result(utterance, is_final=True, trace=trace, decode_s=decode_s)
         self._ctc.reset()
         self._arrivals.clear()
         self._utterance = None
