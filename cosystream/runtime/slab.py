@@ -24,7 +24,7 @@ SLAB_MARGIN_SHARE = 0.1
 
 def slot_bytes(specs: list[CacheSpec]) -> int:
     """One slot's caches, in bytes."""
-    return sum(math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size() for spec in specs)
+    return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,11 +26,8 @@ The OpenTelemetry SDK and exporter are the ``tracing`` extra (``pip install 'cos
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
-
-log = logging.getLogger(__name__)
 
 TRACE_SAMPLE = 0.01
 """The share of utterances traced by default once ``--otlp-endpoint`` is given (``--trace-sample``)."""
@@ -92,11 +89,11 @@ class UtteranceTracer:
     """Starts an :class:`UtteranceTrace` per utterance; :meth:`shutdown` sends what is batched."""
 
     def __init__(self, provider):
-        from opentelemetry import context, propagate, trace
+        from opentelemetry import propagate, trace
 
         self.provider = provider
         self._tracer = provider.get_tracer("cosystream.server")
-        self._trace, self._context, self._propagate = trace, context, propagate
+        self._trace, self._propagate = trace, propagate
         # Monotonic seconds (the sessions' clock) to the epoch nanoseconds spans carry.
         self._offset_ns = time.time_ns() - time.monotonic_ns()
 
@@ -139,7 +136,6 @@ class UtteranceTrace:
         "_steps",
         "_tracer",
         "ended_s",
-        "first_audio_s",
         "held",
         "last_audio_s",
         "reason",
@@ -149,7 +145,7 @@ class UtteranceTrace:
 
     def __init__(self, tracer: UtteranceTracer, span, started_s: float):
         self._tracer, self.span, self.started_s = tracer, span, started_s
-        self.first_audio_s = self.last_audio_s = started_s
+        self.last_audio_s = started_s  # (its first audio is the onset's chunk: started_s)
         self.ended_s: float | None = None  # the endpoint decided
         self.reason = ""
         self.held = False  # its final waited for the second pass
@@ -190,7 +186,7 @@ class UtteranceTrace:
         is made and ended."""
         child, root = self._tracer.child, self.span
         ended = self.ended_s if self.ended_s is not None else self.last_audio_s
-        child(root, "receive", self.first_audio_s, min(self.last_audio_s, ended))
+        child(root, "receive", self.started_s, min(self.last_audio_s, ended))
         child(root, "vad", self.started_s, ended, {"cosystream.endpoint": self.reason})
         if self._last_step is not None:
             queue_s, compute_s, arrived_s = self._last_step
