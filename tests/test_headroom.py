@@ -116,10 +116,11 @@ def test_degradation_sheds_batch_then_interims_then_admission_and_comes_back():
         clock.now += 0.5
         headroom.observe(load)
         stages.append(int(headroom.stage))
-    # The stages follow the 2 s average (from 0.7 and 0.85 of the limit, until 0.1 under: 0.79 squeezes BATCH,
-    # 0.86 thins interims), admission closes with the overload state (1 s at the limit) and ends with it (1 s
-    # under), and the stages come back down with the average (0.76: thinned still; 0.6: squeezed still).
-    assert stages == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 2, 1, 1, 0, 0, 0], stages
+    # The stages follow the 2 s average (from 0.7 and 0.95 of the limit, until 0.1 under: 0.79 squeezes BATCH,
+    # 0.95 thins interims), admission closes with the overload state (1 s at the limit) and ends with it (1 s
+    # under), and the stages come back down with the average (0.76: squeezed still, no longer thinned; 0.6:
+    # squeezed still).
+    assert stages == [0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 3, 3, 3, 1, 1, 1, 0, 0, 0], stages
     assert not headroom.overloaded and headroom.stage == Degradation.NONE
 
 

@@ -58,7 +58,7 @@ class Degradation(IntEnum):
     ADMISSION_CLOSED = 3  # overloaded: new REALTIME sessions refused, health "load" NOT_SERVING
 
 
-STAGE_AT = {Degradation.BATCH_SQUEEZED: 0.7, Degradation.INTERIMS_THINNED: 0.85}
+STAGE_AT = {Degradation.BATCH_SQUEEZED: 0.7, Degradation.INTERIMS_THINNED: 0.95}
 """The recent load, as a share of the limit, at which a stage begins; it ends :data:`STAGE_HYSTERESIS` under."""
 STAGE_HYSTERESIS = 0.1
 
