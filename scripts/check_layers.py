@@ -13,6 +13,9 @@ The layers, top to bottom (a layer imports only the layers listed for it, never 
     base      cosystream, frames, logs, metrics
     api       cosystream.v1: the generated wire API and its client helpers
 
+No module of the server layer or below it (but the engine, runtime and models) loads torch, checked at import
+time in a subprocess as well as in the source: a frontend process never pays for torch (``PROCESSES``).
+
 ``clients/`` may import only ``cosystream.v1``. There is no import cycle anywhere in the package,
 ``training/``, ``benchmarks/`` or ``clients/`` (imports inside functions count: they are cycles too).
 
@@ -22,6 +25,7 @@ The layers, top to bottom (a layer imports only the layers listed for it, never 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,6 +47,29 @@ _SUBPACKAGE_LAYERS = {"v1": "api", "app": "app", "server": "server", "engine": "
 _SUBPACKAGE_LAYERS |= {"models": "models", "audio": "audio", "decoding": "decoding", "__main__": "app"}
 _SUBPACKAGE_LAYERS |= {"secondpass": "secondpass"}
 TREES = ("cosystream", "training", "benchmarks", "clients")
+# What a frontend process imports, and the packages it must never load: its entry point, and every module of
+# the layers it runs (the engine's IPC messages and process settings are its only modules of the engine).
+FRONTEND_MODULES = ("cosystream.app.frontend_process", "cosystream.engine.ipc", "cosystream.engine.prctl")
+FRONTEND_PACKAGES = ("cosystream.server", "cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
+NEVER_IN_A_FRONTEND = ("torch",)
+_IMPORT_PROBE = """
+import importlib, pkgutil, sys, traceback
+refused = set(sys.argv[1].split(","))
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in refused:
+            raise ImportError(f"{name} loaded")
+sys.meta_path.insert(0, Refuse())
+names = sys.argv[2].split(",")
+for package in sys.argv[3].split(","):
+    names += [info.name for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")]
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ImportError as err:
+        chain = [f.name for f in traceback.extract_tb(err.__traceback__) if "cosystream" in f.filename]
+        print(f"{name}: {err} (through {' -> '.join(dict.fromkeys(chain)) or name})")
+"""
 
 
 def layer_of(module: str) -> str | None:
@@ -138,7 +165,19 @@ def check(root: Path) -> list[str]:
                 problems.append(f"{where}:{line}: {own} imports {target} ({theirs}), against the layer order")
     for component in cycles(graph):
         problems.append("import cycle: " + " <-> ".join(component))
-    return problems
+    return problems + process_imports(root)
+
+
+def process_imports(root: Path) -> list[str]:
+    """Import every module a frontend process runs, in a fresh interpreter refusing torch: each one that
+    would load it (an import inside a function counts once it runs: this checks only import time)."""
+    argv = [",".join(NEVER_IN_A_FRONTEND), ",".join(FRONTEND_MODULES), ",".join(FRONTEND_PACKAGES)]
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, *argv], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    if result.returncode != 0:
+        return [f"importing a frontend's modules failed: {result.stderr.strip().splitlines()[-1:]}"]
+    return [f"a frontend process would load torch: {line}" for line in result.stdout.splitlines()]
 
 
 def main() -> int:

@@ -57,3 +57,11 @@ def test_a_cycle_fails_even_through_a_function_level_import(tmp_path):
     append(root / "training/text.py", "def late():\n    from training import corpus  # noqa")
     result = check(root)
     assert result.returncode == 1 and "import cycle: training.corpus <-> training.text" in result.stdout
+
+
+def test_a_frontend_that_would_load_torch_fails(tmp_path):
+    root = copy_tree(tmp_path)
+    append(root / "cosystream/audio/vad.py", "import torch  # noqa")
+    result = check(root)
+    assert result.returncode == 1
+    assert "a frontend process would load torch: cosystream.audio.vad" in result.stdout, result.stdout

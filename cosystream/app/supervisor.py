@@ -36,15 +36,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from cosystream.app.banner import startup_lines
-from cosystream.engine.process import (
-    EngineHandle,
-    EngineProcessConfig,
-    EngineStartError,
-    exit_with_parent,
-    set_process_name,
-    start_engine,
-)
-from cosystream.logs import configure as configure_logs
+from cosystream.app.frontend_process import frontend_main
+from cosystream.engine.prctl import set_process_name
+from cosystream.engine.process import EngineHandle, EngineProcessConfig, EngineStartError, start_engine
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.server.auth import TokenFileError
 from cosystream.server.frontend import Frontend, FrontendConfig
@@ -54,35 +48,6 @@ from cosystream.server.tls import TlsError
 log = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 0.1
-
-
-def frontend_main(
-    config: FrontendConfig,
-    address: str | list[str],
-    authkey: bytes,
-    log_level: str,
-    log_format: str,
-    index: int = 1,
-    token_sessions: TokenSessions | None = None,
-) -> None:
-    """Entry point of a spawned frontend process (started with SIGHUP blocked, see the module's doc)."""
-    exit_with_parent()
-    set_process_name(f"cs-frontend-{index}")
-    configure_logs(log_level, log_format)
-
-    async def run() -> None:
-        frontend = Frontend(config, address, authkey, token_sessions=token_sessions)
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, frontend.reload_tokens)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
-        await frontend.start()
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor forwards SIGTERM
-        await stop.wait()
-        await frontend.drain()
-
-    asyncio.run(run())
 
 
 @dataclass(slots=True)

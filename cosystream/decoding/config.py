@@ -32,7 +32,7 @@ from cosystream.decoding.lexicon import Lexicon, read_spellings
 from cosystream.decoding.lm import NgramLm
 from cosystream.decoding.phrases import Boosting, Phrase, PhraseError
 from cosystream.frames import FRAME_MS
-from cosystream.models.loading import DEFAULT_MODEL_DIR, LEXICON_FILE
+from cosystream.model_files import DEFAULT_MODEL_DIR, LEXICON_FILE
 
 log = logging.getLogger(__name__)
 

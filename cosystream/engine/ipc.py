@@ -21,7 +21,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from cosystream.models.contract import FRAME_SAMPLES
+from cosystream.frames import FRAME_SAMPLES
 
 
 class Op(IntEnum):

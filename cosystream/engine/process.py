@@ -10,7 +10,6 @@ others while the loop goes on stepping, then installed between two steps (``mode
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -30,6 +29,7 @@ from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.engine.model_swap import ModelLoader, admin, announce_models
+from cosystream.engine.prctl import exit_with_parent, set_process_name
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
 from cosystream.models.loading import (
@@ -168,22 +168,6 @@ def describe_error(err: BaseException) -> str:
     """One line: the error's own message, or its type when it has none."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return text or type(err).__name__
-
-
-def exit_with_parent() -> None:
-    """Linux: have the kernel send SIGTERM to this process when its parent dies, so none is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
-
-
-def set_process_name(name: str) -> None:
-    """Linux: name this process (``ps -o comm``, ``top``, the benchmarks' per-process CPU), <= 15 bytes."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        log.debug("prctl(PR_SET_NAME) unavailable")
 
 
 def raise_priority(increment: int = -5) -> None:

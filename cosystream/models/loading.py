@@ -17,22 +17,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from cosystream.model_files import DEFAULT_MODEL_DIR, LEXICON_FILE, PRECISIONS, RESERVED_NAMES
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel, quantize_linear
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
 # The models that come with the package, by the name ``--model embedded:NAME`` gives them: the default, and a
 # smaller student of it (``--adaptive``'s LIGHT model; its MODEL_CARD.md says what it costs in accuracy).
-EMBEDDED_MODELS = {"default": DEFAULT_MODEL_DIR, "light": Path(__file__).parent / "light"}
+EMBEDDED_MODELS = {"default": DEFAULT_MODEL_DIR, "light": DEFAULT_MODEL_DIR.parent / "light"}
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
 WEIGHTS_FILE = "model.safetensors"
-LEXICON_FILE = "lexicon.tsv.gz"  # a phoneme model's pronunciations (cosystream.decoding reads it)
 VERSIONED_FILES = (CONFIG_FILE, VOCABULARY_FILE, WEIGHTS_FILE)
-RESERVED_NAMES = ("", "default")  # what a StreamingConfig sends for the default model
-# The precisions a model can be served at (``--precision``); the first is the default, the weights' own.
-PRECISIONS = ("float32", "bfloat16", "float16", "int8")
 
 _ARCHITECTURES = {"conv_ctc": (ConvCtcConfig, ConvCtcModel)}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from cosystream.engine import ipc
-from cosystream.models.loading import PRECISIONS, RESERVED_NAMES
+from cosystream.model_files import PRECISIONS, RESERVED_NAMES
 from cosystream.server.auth import current_token
 from cosystream.server.engine_client import ModelLoadError
 from cosystream.server.servicer import CosyStreamServicer, model_message
