@@ -43,6 +43,23 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
+def _descendants(root: int) -> list[int]:
+    tree, found, stack = _children(), [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(tree.get(pid, []))
+    return found
+
+
+def _name(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.index("(") + 1 : stat.rindex(")")]
+
+
 def cpu_by_process(root: int) -> dict[str, float]:
     """User + system CPU seconds of ``root`` and each live descendant, by process name (``cs-engine``,
     ``cs-frontend-1``, ...: the names ``cosystream serve`` gives them; others by name and pid)."""
@@ -71,10 +88,17 @@ def cpu_seconds(root: int) -> float:
 class Server:
     """``cosystream serve`` on free ports; ``with Server(...) as s: s.address``."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, engine_share: float | None = None):
         """``extra``: more serve flags. The second pass is off unless they say ``--final-model``: these
         benchmarks measure the streaming path, and Whisper's finals (held 1-3 s on a CPU, its worker beside
-        the engine on the same cores) would be the tail of every latency and the share of every CPU figure."""
+        the engine on the same cores) would be the tail of every latency and the share of every CPU figure.
+
+        ``engine_share``: emulate a host whose engine, not its frontends or the load generator, is the limit
+        (a GPU server, or a large CPU host with a small engine share): the engine runs alone on the last CPU
+        with busy-looping processes at its own priority beside it, so that it gets about this share of that
+        CPU (1/2, 1/3, 1/4, ...), and the server's other processes and the probe run on the other CPUs. On a
+        small host the probe and the frontends otherwise saturate the cores before the engine does, and
+        admission by the engine's load cannot be seen at work (docs/PERFORMANCE.md, "Overload")."""
         if "--final-model" not in extra:
             extra = (*extra, "--final-model", "off")
         self.port = free_port()
@@ -97,6 +121,16 @@ class Server:
             *extra,
         ]
         self.process: subprocess.Popen | None = None
+        self.engine_share = engine_share
+        self.client_cpus: set[int] | None = None  # where the probe runs (None: anywhere)
+        self._hogs: list[subprocess.Popen] = []
+        if engine_share is not None:
+            cpus = sorted(os.sched_getaffinity(0))
+            hogs = round(1 / engine_share) - 1
+            if len(cpus) < 2 or not 0 < engine_share <= 1 or hogs < 0:
+                raise SystemExit(f"an engine share of {engine_share} needs 2+ CPUs and 0 < share <= 1")
+            self._engine_cpu, self.client_cpus = cpus[-1], set(cpus[:-1])
+            self._hog_count = hogs
 
     @property
     def address(self) -> str:
@@ -108,11 +142,20 @@ class Server:
 
     def __enter__(self) -> Server:
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        cpus = self.client_cpus
+        self.process = subprocess.Popen(
+            self.args,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        )
         deadline = time.monotonic() + 180  # CUDA graphs for every bucket are captured before the port opens
         while time.monotonic() < deadline:
             with socket.socket() as s:  # the gRPC port opens once the engine is warm
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    if self.engine_share is not None:
+                        self._confine_engine()
                     return self
             if self.process.poll() is not None:
                 break
@@ -120,7 +163,30 @@ class Server:
         self.log.seek(0)
         raise RuntimeError("server did not start:\n" + self.log.read().decode())
 
+    def _confine_engine(self) -> None:
+        """Move every thread of the engine process to the engine's CPU and start the busy loops beside it."""
+        engines = [pid for pid in _descendants(self.process.pid) if _name(pid) == "cs-engine"]
+        if len(engines) != 1:
+            raise RuntimeError(f"expected one cs-engine process under the server, found {len(engines)}")
+        engine = engines[0]
+        for tid in os.listdir(f"/proc/{engine}/task"):
+            os.sched_setaffinity(int(tid), {self._engine_cpu})
+        nice = os.getpriority(os.PRIO_PROCESS, engine)
+        cpu = self._engine_cpu
+
+        def beside_the_engine() -> None:
+            os.sched_setaffinity(0, {cpu})
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+        self._hogs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=beside_the_engine)
+            for _ in range(self._hog_count)
+        ]
+
     def __exit__(self, *exc) -> None:
+        for hog in self._hogs:
+            hog.kill()
+            hog.wait()
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(30)
@@ -143,6 +209,21 @@ def probe_command(server: Server, json_path: str, *args: str) -> list[str]:
     ]
 
 
+def run_probe(server: Server, json_path: str, *args: str) -> dict:
+    """Run the latency probe against ``server`` in its own process (on the client CPUs when the server
+    confines its engine), and return its JSON."""
+    cpus = server.client_cpus
+    subprocess.run(
+        probe_command(server, json_path, *args),
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+    return json.loads(Path(json_path).read_text())
+
+
 def probe(server: Server, *args: str) -> tuple[dict, float]:
     """Run the latency probe in its own process; returns its JSON and the server's CPU seconds meanwhile."""
     result, cpu = probe_cpu(server, *args)
@@ -160,21 +241,12 @@ def probe_cpu(server: Server, *args: str) -> tuple[dict, dict[str, float]]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         before = cpu_by_process(server.process.pid)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run(
-            probe_command(server, out.name, *args),
-            check=True,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            },
-        )
+        result = run_probe(server, out.name, *args)
         after = cpu_by_process(server.process.pid)
         done = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = {name: seconds - before.get(name, 0.0) for name, seconds in after.items()}
         cpu["probe"] = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
-        return json.loads(Path(out.name).read_text()), cpu
+        return result, cpu
 
 
 _GPU_SAMPLE = re.compile(r"^cosystream_gpu_(\w+)\{([^}]*)\} (\S+)$", re.M)

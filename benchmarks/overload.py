@@ -1,76 +1,150 @@
-"""Overload: more REALTIME sessions than the engine can step in time, with a BATCH flood, with admission by
-headroom (``serve --admit-load 0.9``, the default) and without it (``--admit-load 0``), side by side.
+"""Overload: a flood of REALTIME arrivals and BATCH sessions past capacity, with admission by headroom
+(``serve --admit-load 0.9``, the default) and without it (``--admit-load 0``), against the same streams alone.
 
-Each round starts both servers in turn and runs the latency probe against each: N REALTIME streams whose
-starts are spread over ``--ramp-s`` (so the engine's load is measured as they arrive) and M BATCH sessions
-sent as fast as flow control allows. Reports, per configuration: the realtime sessions admitted and refused
-(RESOURCE_EXHAUSTED), the admitted ones' chunk latency p50/p99 and deadline misses, and the BATCH
-sessions' errors and speed. Pick N past the machine's capacity (``benchmarks/capacity.py`` finds it).
+Each round starts a server per configuration, in turn, and runs two latency probes against it at once:
+``--base`` REALTIME streams already in service (their latency is the figure: what a flood costs the
+sessions a server has taken), and, from ``--flood-after-s`` on, the flood: ``--realtime`` more REALTIME
+streams arriving over ``--ramp-s`` and ``--batch`` BATCH sessions sending as fast as flow control allows.
+The "alone" configuration runs the base streams only. Reports, per configuration: the base streams' chunk
+latency p50/p99 and deadline misses, the arrivals admitted and refused (RESOURCE_EXHAUSTED, with a
+RetryInfo), the admitted arrivals' p99, the BATCH sessions' errors and speed, and the engine's load
+(``cosystream_engine_load``, sampled every 0.25 s: median and max).
 
-    python -m benchmarks.overload --realtime 120 --batch 4 --rounds 3
+``--engine-share`` emulates a host whose engine is the limit (a GPU server, a large CPU host): the engine
+alone on the last CPU with about that share of it, the frontends and the probes on the others
+(``benchmarks/_harness.py``). Without it, on a small host the probes and frontends saturate the cores
+before the engine does, so no signal the server has sees the backlog (docs/PERFORMANCE.md, "Overload").
+
+    python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.25 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
+import tempfile
+import threading
+import time
+import urllib.request
 
-from benchmarks._harness import Server, dump, p, probe
+from benchmarks._harness import Server, dump, p, probe, run_probe
 from cosystream.v1.client import HelpFormatter
 
-CONFIGS = {"admission by load": ["--admit-load", "0.9"], "by count only": ["--admit-load", "0"]}
+CONFIGS = {"alone": ["--admit-load", "0.9"], "admission by load": ["--admit-load", "0.9"]}
+CONFIGS["by count only"] = ["--admit-load", "0"]
+
+
+def sample_load(server: Server, stop: threading.Event, loads: list[float]) -> None:
+    """``cosystream_engine_load`` every 0.25 s until ``stop``."""
+    while not stop.wait(0.25):
+        try:
+            text = urllib.request.urlopen(server.metrics_url, timeout=2).read().decode()
+        except OSError:
+            continue
+        loads.extend(float(v) for v in re.findall(r'^cosystream_engine_load\{engine="0"\} (\S+)$', text, re.M))
+
+
+def run_flood(server: Server, args: argparse.Namespace, results: list[dict]) -> None:
+    """After ``--flood-after-s``, the flood's probe; its JSON appended to ``results``."""
+    time.sleep(args.flood_after_s)
+    flood = [
+        *("--realtime", str(args.realtime), "--batch", str(args.batch), "--chunk-ms", str(args.chunk_ms)),
+        *("--duration", str(args.duration), "--ramp-s", str(args.ramp_s)),
+    ]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        results.append(run_probe(server, out.name, *flood))
+
+
+def run_one(name: str, flags: list[str], args: argparse.Namespace) -> dict:
+    """One server with ``flags``: the base streams, and the flood beside them unless ``name`` is "alone"."""
+    limit = str(args.base + args.realtime + args.batch + 8)
+    base_s = args.flood_after_s + args.ramp_s + args.duration + 2  # (the base streams outlast the flood)
+    base = ["--realtime", str(args.base), "--chunk-ms", str(args.chunk_ms), "--duration", str(base_s)]
+    serve = ["--max-sessions", limit, "--frontends", str(args.frontends), *flags]
+    with Server(*serve, engine_share=args.engine_share) as server:
+        loads: list[float] = []
+        stop = threading.Event()
+        threading.Thread(target=sample_load, args=(server, stop, loads), daemon=True).start()
+        floods: list[dict] = []
+        flood = threading.Thread(target=run_flood, args=(server, args, floods))
+        if name != "alone":
+            flood.start()
+        result, cpu_s = probe(server, "--ramp-s", "0", *base)
+        if name != "alone":
+            flood.join()
+        stop.set()
+    flood_result = floods[0] if floods else None
+    rt = result["classes"]["realtime"]
+    run = {
+        "base_p50_ms": p(rt, "chunk_latency_ms", "p50"),
+        "base_p99_ms": p(rt, "chunk_latency_ms", "p99"),
+        "base_errors": rt["errors"],
+        "base_deadline_misses": rt["deadline_misses"],
+        "engine_load_median": statistics.median(loads) if loads else None,
+        "engine_load_max": max(loads) if loads else None,
+        "server_cpu_s": cpu_s,
+    }
+    if flood_result is not None:
+        arrivals, bt = flood_result["classes"]["realtime"], flood_result["classes"].get("batch", {})
+        run |= {
+            "arrivals_admitted": arrivals["sessions"] - arrivals["errors"],
+            "arrivals_refused": arrivals["errors"],
+            "arrivals_p99_ms": p(arrivals, "chunk_latency_ms", "p99"),
+            "batch_errors": bt.get("errors", 0),
+            "batch_realtime_factor": bt.get("realtime_factor"),
+        }
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--realtime", type=int, default=120)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--ramp-s", type=float, default=15.0)
-    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--base", type=int, default=10, help="REALTIME streams in service before the flood")
+    parser.add_argument("--realtime", type=int, default=40, help="REALTIME streams arriving in the flood")
+    parser.add_argument("--batch", type=int, default=4, help="BATCH sessions in the flood")
+    parser.add_argument("--flood-after-s", type=float, default=4.0)
+    parser.add_argument("--ramp-s", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds each arrival streams")
     parser.add_argument("--chunk-ms", type=int, default=10)
     parser.add_argument("--frontends", type=int, default=1)
+    parser.add_argument(
+        "--engine-share",
+        type=float,
+        default=None,
+        help="the engine's share of one CPU (emulates an engine-bound host)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    common = [
-        *("--realtime", str(args.realtime), "--batch", str(args.batch), "--chunk-ms", str(args.chunk_ms)),
-        *("--duration", str(args.duration), "--ramp-s", str(args.ramp_s)),
-    ]
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     for _ in range(args.rounds):
         for name, flags in CONFIGS.items():  # (alternating, in one sitting)
-            limit = str(args.realtime + args.batch + 8)
-            with Server("--max-sessions", limit, "--frontends", str(args.frontends), *flags) as server:
-                result, cpu_s = probe(server, *common)
-            rt, bt = result["classes"]["realtime"], result["classes"].get("batch", {})
-            runs[name].append(
-                {
-                    "realtime_admitted": rt["sessions"] - rt["errors"],
-                    "realtime_refused": rt["errors"],
-                    "realtime_p50_ms": p(rt, "chunk_latency_ms", "p50"),
-                    "realtime_p99_ms": p(rt, "chunk_latency_ms", "p99"),
-                    "deadline_misses": rt["deadline_misses"],
-                    "batch_errors": bt.get("errors", 0),
-                    "batch_realtime_factor": bt.get("realtime_factor"),
-                    "server_cpu_s": cpu_s,
-                }
-            )
+            runs[name].append(run_one(name, flags, args))
+            time.sleep(1)
     dump({"config": vars(args), "runs": runs}, args.json)
     print(
-        f"\n{'':<20} {'admitted':>9} {'refused':>8} {'rt p50 ms':>10} {'rt p99 ms':>10} {'misses':>8} "
-        f"{'batch err':>9} {'batch x rt':>10}"
+        f"\n{'':<18} {'base p50':>9} {'base p99':>9} {'misses':>7} {'admitted':>9} {'refused':>8} "
+        f"{'arr. p99':>9} {'batch err':>9} {'batch x rt':>10} {'load med/max':>13}"
     )
     for name, rounds in runs.items():
         for run in rounds:
-            factor = run["batch_realtime_factor"]
-            print(
-                f"{name:<20} {run['realtime_admitted']:>9} {run['realtime_refused']:>8} "
-                f"{run['realtime_p50_ms']:>10.1f} {run['realtime_p99_ms']:>10.1f} {run['deadline_misses']:>8} "
-                f"{run['batch_errors']:>9} {factor if factor is None else round(factor, 1)!s:>10}"
+            factor = run.get("batch_realtime_factor")
+            load = (
+                f"{run['engine_load_median']:.2f}/{run['engine_load_max']:.2f}" if run["engine_load_max"] else "-"
             )
-    medians = {name: statistics.median(r["realtime_p99_ms"] for r in rounds) for name, rounds in runs.items()}
-    print("median realtime p99: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items()))
+            print(
+                f"{name:<18} {run['base_p50_ms']:>9.1f} {run['base_p99_ms']:>9.1f} "
+                f"{run['base_deadline_misses']:>7} {run.get('arrivals_admitted', '-')!s:>9} "
+                f"{run.get('arrivals_refused', '-')!s:>8} {run.get('arrivals_p99_ms', float('nan')):>9.1f} "
+                f"{run.get('batch_errors', '-')!s:>9} {factor if factor is None else round(factor, 1)!s:>10} {load:>13}"
+            )
+    medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
+    alone = medians["alone"]
+    print(
+        "median base p99: "
+        + ", ".join(f"{name} {ms:.1f} ms ({(ms / alone - 1) * 100:+.0f}%)" for name, ms in medians.items())
+    )
     return 0
 
 
