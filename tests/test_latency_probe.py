@@ -56,6 +56,15 @@ def test_probe_reports_both_classes(tmp_path):
     assert last.startswith("realtime=4 ") and "batch=1" in last
 
 
+def test_more_probe_processes_than_sessions(tmp_path):
+    # The capacity benchmark's warm-up asks for 4 streams from as many processes as its largest count
+    # needs (6 on a 16-core GPU machine): the processes without a session are not started.
+    with Server("--max-sessions", "8", "--frontends", "1", "--final-model", "off") as server:
+        result, _ = run_probe(server, tmp_path, "--realtime", "2", "--processes", "3", "--duration", "1")
+    check_schema(result, realtime=2, batch=0)
+    assert result["classes"]["realtime"]["errors"] == 0
+
+
 def test_overloaded_run_shows_deadline_misses(tmp_path):
     # A deadline far below what one step costs: a frame that arrives while a step runs waits for it and
     # misses. One that arrives at an idle engine may still make it, so how many miss depends on the
