@@ -7,7 +7,9 @@ the words; recognition quality is measured by the accuracy benchmark.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
+import signal
 import threading
 import time
 import weakref
@@ -426,6 +428,47 @@ def test_full_server_refuses_and_cancel_frees_the_slot(stub):
     for stream in [*held[1:], again]:
         stream.close()
     wait_active(stub, 0)
+
+
+def test_a_stream_that_half_closes_before_the_engine_answers_its_open_is_refused_not_ok(server, stub):
+    """The engine is full and answers late (stopped with SIGSTOP for a moment): the stream half-closes first,
+    with no audio or a little, and still gets the refusal, not an OK (which would say its audio was transcribed;
+    it never had a slot)."""
+    wait_active(stub, 0)
+    held = [HeldStream(stub) for _ in range(MAX_SESSIONS)]
+    engine = server.engine.process.pid
+    try:
+        wait_active(stub, MAX_SESSIONS)
+        time.sleep(0.2)  # let the engine assign every slot
+        config = pb.StreamingRecognizeRequest(
+            config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000)
+        )
+        for audio in ([], [pb.StreamingRecognizeRequest(audio=b"\0" * 3200)]):
+            outcome: list = []
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                call = stub.StreamingRecognize(iter([config, *audio]), timeout=30)
+                late = threading.Thread(target=lambda call=call, outcome=outcome: outcome.append(_ended(call)))
+                late.start()
+                late.join(1.0)
+                assert not outcome, f"the stream ended before the engine answered its open: {outcome}"
+            finally:
+                os.kill(engine, signal.SIGCONT)
+            late.join(30)
+            assert outcome == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    finally:
+        for stream in held:
+            stream.close()
+    assert all(stream.error is None for stream in held)
+    wait_active(stub, 0)
+
+
+def _ended(call) -> grpc.StatusCode:
+    try:
+        list(call)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
 
 
 def test_realtime_sheds_the_newest_batch_session(stub):

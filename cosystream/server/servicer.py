@@ -372,12 +372,17 @@ class _Stream:
         self._force: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.last_request_s = time.monotonic()
+        # Until the engine answers the open, the stream cannot end OK: a refused open (the engine full) must
+        # reach the client as RESOURCE_EXHAUSTED even if it half-closed before the answer came.
+        self.opened = False
 
     # SessionSink, called by the engine client.
     def on_opened(self, model: int) -> None:
         log.debug("session %s has an engine slot", self.session_id)
+        self.opened = True
         if model != self.model_id:  # (replaced since the stream was accepted: the engine gave the new version)
             self.on_moved(model)
+        self._check_done()
 
     def on_moved(self, model: int) -> None:
         if self._held is not None:  # (the last move's decoder is still being built)
@@ -466,7 +471,7 @@ class _Stream:
             self.progress.set()
 
     def _check_done(self) -> None:
-        if self.state == StreamState.FINISHING and self.session.done:
+        if self.state == StreamState.FINISHING and self.opened and self.session.done:
             self.state = StreamState.ENDED
             self.responses.put(self.end_status or _DONE)
             self.responses.wake()
