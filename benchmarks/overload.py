@@ -15,7 +15,7 @@ alone on the last CPU with about that share of it, the frontends and the probes 
 (``benchmarks/_harness.py``). Without it, on a small host the probes and frontends saturate the cores
 before the engine does, so no signal the server has sees the backlog (docs/PERFORMANCE.md, "Overload").
 
-    python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.25 --rounds 3
+    python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.5 --rounds 3
 """
 
 from __future__ import annotations
@@ -130,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, rounds in runs.items():
         for run in rounds:
             factor = run.get("batch_realtime_factor")
+            arrivals_p99 = run.get("arrivals_p99_ms")
             load = (
                 f"{run['engine_load_median']:.2f}/{run['engine_load_max']:.2f}" if run["engine_load_max"] else "-"
             )
             print(
                 f"{name:<18} {run['base_p50_ms']:>9.1f} {run['base_p99_ms']:>9.1f} "
                 f"{run['base_deadline_misses']:>7} {run.get('arrivals_admitted', '-')!s:>9} "
-                f"{run.get('arrivals_refused', '-')!s:>8} {run.get('arrivals_p99_ms', float('nan')):>9.1f} "
-                f"{run.get('batch_errors', '-')!s:>9} {factor if factor is None else round(factor, 1)!s:>10} {load:>13}"
+                f"{run.get('arrivals_refused', '-')!s:>8} {'-' if arrivals_p99 is None else f'{arrivals_p99:.1f}':>9} "
+                f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13}"
             )
     medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
     alone = medians["alone"]
