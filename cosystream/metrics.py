@@ -117,6 +117,11 @@ def _metrics() -> dict:
     WEBSOCKETS = Gauge(
         "cosystream_websocket_sessions", "Realtime WebSocket connections open.", multiprocess_mode="livesum"
     )
+    # Resumable sessions (StreamingConfig.resumable) whose connection dropped: resumed, or freed after the window.
+    SESSIONS_RESUMED = Counter("cosystream_sessions_resumed", "Held sessions a client resumed.")
+    SESSIONS_EXPIRED = Counter(
+        "cosystream_sessions_expired", "Held sessions freed because no client resumed them within the window."
+    )
     # The second pass (serve --final-model), per frontend process.
     SECOND_PASS_JOBS = Counter(
         "cosystream_second_pass_jobs",
@@ -147,6 +152,7 @@ REJECT_REASONS = (
     "permission_denied",
     "quota",
     "usage_quota",
+    "resume_not_found",
 )
 
 
@@ -227,6 +233,12 @@ class FrontendMetrics:
     def websocket(self, opened: bool) -> None:
         gauge = self._m["WEBSOCKETS"]
         gauge.inc() if opened else gauge.dec()
+
+    def resumed(self) -> None:
+        self._m["SESSIONS_RESUMED"].inc()
+
+    def expired(self) -> None:
+        self._m["SESSIONS_EXPIRED"].inc()
 
     def token_audio(self, token: str, seconds: float) -> None:
         """A stream of ``token`` (one with usage limits) ended, having sent ``seconds`` of audio."""

@@ -171,6 +171,7 @@ DEFAULT_MODEL = Path(cosystream.models.__file__).with_name("default")
         (["--decoder", "beam", "--model", "EMPTY"], "beam decoding needs a language model"),
         (["--beam-size", "0"], "--beam-size must be >= 1"),
         (["--realtime-burst-s", "-1"], "realtime_burst_s must be >= 0"),
+        (["--resume-window-s", "0"], "--resume-window-s must be > 0"),
         (["--trace-sample", "0.5"], "--trace-sample goes with --otlp-endpoint"),
         (["--otlp-endpoint", "collector:4318"], "--otlp-endpoint must be an http:// or https:// URL"),
         (["--otlp-endpoint", "http://c:4318/v1/traces", "--trace-sample", "2"], "--trace-sample must be between"),

@@ -511,6 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 30)",
     )
     serve.add_argument(
+        "--resume-window-s",
+        type=float,
+        default=None,
+        help="how long a resumable session (StreamingConfig.resumable) whose connection dropped keeps its slot "
+        "and state for its client to resume it (default: 30)",
+    )
+    serve.add_argument(
         "--realtime-burst-s",
         type=float,
         default=None,
@@ -889,6 +896,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
         ),
         stream=StreamOptions(
             **given(idle_timeout_s=args.idle_timeout_s, realtime_burst_s=args.realtime_burst_s),
+            **given(resume_window_s=args.resume_window_s),
             **given(admit_lag_s=None if args.admit_lag_ms is None else args.admit_lag_ms / 1000),
             default_endpointing=endpointing,
             frontends=args.frontends,

@@ -19,8 +19,10 @@ import asyncio
 import dataclasses
 import logging
 import math
+import secrets
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -68,6 +70,21 @@ loop free between them, so one client's 10 MB chunk delays other sessions by a s
 the whole message's."""
 
 
+RESUME_WINDOW_S = 30.0
+"""How long a resumable session is held after its connection drops (``serve --resume-window-s``)."""
+
+RESUME_REPLAY = 1024
+"""Responses a resumable stream keeps after sending them, to send again to a client that resumes having
+missed them (at one interim per 40-80 ms of speech, a minute or more)."""
+
+RESUME_EOF_WAIT_S = 0.1
+"""After a resumable stream's requests end, how long the server waits to see whether its connection dropped
+(then the session is held) before taking it as a half-close (then its last final is flushed): the price of
+resume is up to this much on a half-close's final."""
+
+RESUMABLE = {AudioEncoding.LINEAR16: 2, AudioEncoding.MULAW: 1, AudioEncoding.ALAW: 1}  # bytes per sample
+
+
 @dataclass(frozen=True, slots=True)
 class StreamOptions:
     idle_timeout_s: float = 30.0
@@ -90,10 +107,14 @@ class StreamOptions:
     vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
     # Per-utterance traces over OTLP (serve --otlp-endpoint, --trace-sample; tracing.py); None: off.
     tracing: TracingConfig | None = None
+    # How long a resumable session whose connection dropped is held for its client to resume it.
+    resume_window_s: float = RESUME_WINDOW_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.admit_lag_s < math.inf:
             raise ValueError(f"--admit-lag-ms must be >= 0 (0: off), got {self.admit_lag_s * 1000:g}")
+        if not 0 < self.resume_window_s < math.inf:
+            raise ValueError(f"--resume-window-s must be > 0, got {self.resume_window_s:g}")
         if not self.realtime_burst_s >= 0:
             raise ValueError(
                 f"realtime_burst_s must be >= 0 (inf: REALTIME audio unpaced), got {self.realtime_burst_s}"
@@ -148,6 +169,10 @@ def validate_config(
     if rate and not MIN_INPUT_RATE_HZ <= rate <= MAX_INPUT_RATE_HZ:
         raise ConfigError(
             f"sample_rate_hz={rate} is not supported: use {MIN_INPUT_RATE_HZ} to {MAX_INPUT_RATE_HZ}"
+        )
+    if config.resumable and encoding not in RESUMABLE:
+        raise ConfigError(
+            f"resumable: encoding {encoding.name} cannot be resumed mid-stream; use LINEAR16, MULAW or ALAW"
         )
     if config.priority not in (0, Priority.REALTIME, Priority.BATCH):
         raise ConfigError(f"unknown priority {config.priority}: use REALTIME or BATCH")
@@ -212,6 +237,7 @@ def validate_config(
         phrases=phrases,
         vocabulary=config.vocabulary,
         hotwords=", ".join(hotwords),
+        resumable=config.resumable,
     )
 
 
@@ -265,6 +291,7 @@ class _Abort:
 
 
 _DONE = object()
+_TAKEN = object()  # (a resume on another connection takes the stream: its handler lets it go)
 
 
 class _Refused(Exception):
@@ -375,6 +402,39 @@ class _Stream:
         # Until the engine answers the open, the stream cannot end OK: a refused open (the engine full) must
         # reach the client as RESOURCE_EXHAUSTED even if it half-closed before the answer came.
         self.opened = False
+        # Resume (config.resumable): the token, the input consumed (bytes; samples for the client), the responses
+        # sent (numbered, the last RESUME_REPLAY kept), and while no connection holds it, the expiry timer.
+        self.resume_token = secrets.token_urlsafe(18) if config.resumable else ""
+        self.bytes_per_sample = RESUMABLE.get(config.encoding, 1)
+        self.consumed_bytes = 0
+        self.skip_bytes = 0  # (a resumed connection's audio the session already has)
+        self.response_index = 0
+        self.sent: deque[tuple[int, pb.StreamingRecognizeResponse]] = deque(maxlen=RESUME_REPLAY)
+        self.expiry: asyncio.TimerHandle | None = None
+        self.detached = asyncio.Event()  # set while held (no connection holds it)
+        self.replay: list[pb.StreamingRecognizeResponse] = []  # (a resume's responses to send again)
+        self.outcome = "ok"  # how the stream ended, for the log
+        self.taking = False  # a resume is taking it from its connection (_TAKEN queued)
+        self.context = None  # its connection's gRPC context (start)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The stream's initial metadata: its session id, and its resume token if it is resumable."""
+        session = (("cosystream-session-id", self.session_id),)
+        return (*session, ("cosystream-resume-token", self.resume_token)) if self.resume_token else session
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.consumed_bytes // self.bytes_per_sample
+
+    def stamp(self, response: pb.StreamingRecognizeResponse) -> pb.StreamingRecognizeResponse:
+        """Number a resumable stream's response, say how much input it has consumed, and keep it to send again."""
+        if self.resume_token:
+            self.response_index += 1
+            response.response_index = self.response_index
+            response.consumed_samples = self.consumed_samples
+            response.resume_token = self.resume_token
+            self.sent.append((self.response_index, response))
+        return response
 
     # SessionSink, called by the engine client.
     def on_opened(self, model: int) -> None:
@@ -503,11 +563,26 @@ class _Stream:
             log.info("session %s: its final was not taken in time; closing it", self.session_id)
             self.handler.cancel()
 
-    def start(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
+    def start(self, requests: AsyncIterator[pb.StreamingRecognizeRequest], context=None) -> None:
         self.handler = asyncio.current_task()
+        self.context = context
         self.last_request_s = time.monotonic()
         self.reader = asyncio.create_task(self.read(requests))
         self._watch_idle()
+
+    async def _dropped(self) -> bool:
+        """Whether the end of the requests was a dropped connection rather than a half-close: grpc.aio ends
+        the request iterator the same way for both, and marks the call cancelled a moment later when the
+        connection is gone (observed within a loop iteration or two; RESUME_EOF_WAIT_S allows for a busy loop)."""
+        cancelled = getattr(self.context, "cancelled", None)
+        if cancelled is None:
+            return False
+        deadline = time.monotonic() + RESUME_EOF_WAIT_S
+        while not cancelled():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     def claim_quota(self) -> None:
         """Count this stream against its token's ``max_sessions`` and audio limits (``release`` gives them
@@ -555,6 +630,11 @@ class _Stream:
         """Every exit path: stop reading, stop the timer, free the engine slot and the token's quota.
         Idempotent."""
         self.state = StreamState.RELEASED
+        if self.resume_token:
+            self.servicer._resumable.pop(self.resume_token, None)
+            if self.expiry is not None:
+                self.expiry.cancel()
+                self.expiry = None
         if self.quota is not None:
             self.quota.release()
             self.quota = None
@@ -598,11 +678,16 @@ class _Stream:
                 try:
                     request = await anext(requests)
                 except StopAsyncIteration:
+                    if self.resume_token and await self._dropped():
+                        return  # (not a half-close: the handler is being cancelled, and the stream held)
                     break
                 self.last_request_s = time.monotonic()
                 kind = request.WhichOneof("request")
                 if kind == "audio":
                     audio = request.audio
+                    if self.skip_bytes:  # (resumed: what the session already has)
+                        skipped = min(self.skip_bytes, len(audio))
+                        audio, self.skip_bytes = audio[skipped:], self.skip_bytes - skipped
                     for offset in range(0, len(audio), AUDIO_SLICE_BYTES):
                         if offset:
                             await asyncio.sleep(0)  # other sessions run between the slices of a big chunk
@@ -620,6 +705,7 @@ class _Stream:
                             self.servicer.metrics.rejected("invalid_argument")
                             self.cut(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                             return
+                        self.consumed_bytes += min(AUDIO_SLICE_BYTES, len(audio) - offset)
                         if self.audio is not None:
                             self.audio.spend((session.audio_samples - heard) / SAMPLE_RATE_HZ)
                         while session.backlog_frames > limit and self.state < StreamState.ENDED:
@@ -660,7 +746,8 @@ class _Stream:
                 type(err).__name__,
                 extra={"session_id": self.session_id},
             )
-            self._fail(grpc.StatusCode.CANCELLED, "the stream ended")
+            if not self.resume_token:  # (a resumable one is held when its handler is cancelled: _park)
+                self._fail(grpc.StatusCode.CANCELLED, "the stream ended")
         except Exception:
             log.exception(
                 "session %s: reading requests failed", self.session_id, extra={"session_id": self.session_id}
@@ -692,6 +779,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.lag = LoopLag()  # (sampling from the first stream on)
         self.draining = False
         self._streams: set[_Stream] = set()
+        self._resumable: dict[str, _Stream] = {}  # resume token -> its stream, held or attached
         self.models = ModelDecoders(
             engine, options.decoder, options.decoders, options.vocabularies, self._phrase_lists
         )
@@ -741,9 +829,10 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
     def model_by_id(self, model: int) -> ModelInfo | None:
         return self.engine.model_by_id(model)
 
-    async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig:
-        """The stream's validated config; raises :class:`_Refused` saying why not."""
-        if self.draining:
+    async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig | _Stream:
+        """The stream's validated config, or the held stream a resume takes; raises :class:`_Refused` saying
+        why not."""
+        if self.draining and not self._resumable:
             raise _Refused(
                 grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one", "draining"
             )
@@ -759,6 +848,12 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             ) from None
         if first.WhichOneof("request") != "config":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
+        if first.config.resume_token:  # (a held session may be resumed while the server drains)
+            return await self._take(first.config)
+        if self.draining:
+            raise _Refused(
+                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one", "draining"
+            )
         try:
             config = validate_config(
                 first.config,
@@ -805,7 +900,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
     async def StreamingRecognize(self, request_iterator, context):
         requests = aiter(request_iterator)
         try:
-            config = await self._accept(requests)
+            accepted = await self._accept(requests)
         except _Refused as refused:
             if refused.reason:
                 token = current_token()
@@ -813,50 +908,193 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             yield _last_response("", refused)
             await _abort(context, refused)
 
-        stream = _Stream(self, config, self._trace_parent(context))  # no side effects until the try owns it
-        outcome = "ok"
+        resumed = isinstance(accepted, _Stream)
+        # (no side effects until the try owns it)
+        stream = accepted if resumed else _Stream(self, accepted, self._trace_parent(context))
+        stream.outcome = "ok"
+        parked = False
         try:
-            self._streams.add(stream)
-            stream.claim_quota()
-            log.info(
-                "session %s opened: %s %d Hz %s, model %s%s",
-                stream.session_id,
-                config.encoding.name,
-                config.sample_rate_hz,
-                config.priority.name,
-                self.info.models[config.model].name,
-                "" if stream.token is None else f" token {stream.token.name}",
-                extra={"session_id": stream.session_id},
-            )
-            self.engine.open(stream.key, config.priority, stream, stream.model_id)
-            # The config is accepted: say so at once (clients may wait for this before sending audio).
-            await context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
-            stream.start(requests)
+            if resumed:
+                replay, stream.replay = stream.replay, []
+                await context.send_initial_metadata(stream.metadata())
+                for item in replay:
+                    yield item
+            else:
+                config = accepted
+                self._streams.add(stream)
+                stream.claim_quota()
+                log.info(
+                    "session %s opened: %s %d Hz %s, model %s%s%s",
+                    stream.session_id,
+                    config.encoding.name,
+                    config.sample_rate_hz,
+                    config.priority.name,
+                    self.info.models[config.model].name,
+                    "" if stream.token is None else f" token {stream.token.name}",
+                    ", resumable" if stream.resume_token else "",
+                    extra={"session_id": stream.session_id},
+                )
+                if stream.resume_token:
+                    self._resumable[stream.resume_token] = stream
+                self.engine.open(stream.key, config.priority, stream, stream.model_id)
+                # The config is accepted: say so at once (clients may wait for this before sending audio).
+                await context.send_initial_metadata(stream.metadata())
+            stream.start(requests, context)
             while True:
                 item = await stream.responses.get()
                 if item is _DONE:
                     break
+                if item is _TAKEN:
+                    if stream.taking:  # (else a marker left by a take-over that cancelled a stuck handler)
+                        stream.taking = False
+                        stream.outcome = "taken over"
+                        parked = self._park(stream)
+                        await _abort(
+                            context, _Abort(grpc.StatusCode.CANCELLED, "the session was resumed elsewhere")
+                        )
+                    continue
                 if isinstance(item, _Abort):
-                    outcome = item.code.name
+                    stream.outcome = item.code.name
                     # The status, also as a last response (some clients can lose the status itself).
                     yield _last_response(stream.session_id, item)
                     await _abort(context, item)
-                yield item
+                yield stream.stamp(item)
         except _Refused as refused:  # by the token's quotas
-            outcome = refused.code.name
+            stream.outcome = refused.code.name
             self.metrics.rejected(refused.reason, stream.token.name)
             yield _last_response(stream.session_id, refused)
             await _abort(context, refused)
-        except asyncio.CancelledError:
-            outcome = "cancelled"
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (or cancelled; or a resume took the stream over): a resumable session is
+            # held for its window, any other is freed.
+            stream.outcome = "cancelled"
+            parked = self._park(stream)
             raise
         finally:
-            stream.release()
-            self._streams.discard(stream)
-            log.info("session %s closed: %s", stream.session_id, outcome, extra={"session_id": stream.session_id})
+            if not parked:
+                stream.release()
+                self._streams.discard(stream)
+                log.info(
+                    "session %s closed: %s",
+                    stream.session_id,
+                    stream.outcome,
+                    extra={"session_id": stream.session_id},
+                )
             # An abort's traceback keeps this frame, and its locals, alive: let the session (resampler, decoder)
             # go now, not when the RPC's last exception is dropped.
             del stream
+
+    def _park(self, stream: _Stream) -> bool:
+        """Hold a resumable stream whose connection went away for the resume window; False: not resumable."""
+        if not stream.resume_token or stream.state >= StreamState.RELEASED:
+            return False
+        if stream.reader is not None:
+            stream.reader.cancel()
+            stream.reader = None
+        for timer in (stream.idle_timer, stream._force):
+            if timer is not None:
+                timer.cancel()
+        stream.idle_timer = stream._force = None
+        stream.handler = None
+        window_s = self.options.resume_window_s
+        stream.expiry = asyncio.get_running_loop().call_later(window_s, self._expire, stream)
+        stream.detached.set()
+        log.info(
+            "session %s: its connection went away; held %g s for a resume after %d samples and %d responses",
+            stream.session_id,
+            window_s,
+            stream.consumed_samples,
+            stream.response_index,
+            extra={"session_id": stream.session_id},
+        )
+        return True
+
+    def _expire(self, stream: _Stream, why: str = "no resume within the window") -> None:
+        if stream.detached.is_set() and stream.state < StreamState.RELEASED:
+            self.metrics.expired()
+            stream.release()
+            self._streams.discard(stream)
+            log.info("session %s closed: %s", stream.session_id, why, extra={"session_id": stream.session_id})
+
+    async def _take(self, config: pb.StreamingConfig) -> _Stream:
+        """The held session ``config.resume_token`` names, attached to the calling connection (its old one, if
+        it still holds it, is cancelled), with the responses to send again in ``replay``; raises
+        :class:`_Refused` saying why not (the session stays held)."""
+        stream = self._resumable.get(config.resume_token)
+        caller = current_token()
+        if (
+            stream is not None
+            and stream.token is not None
+            and (caller is None or caller.name != stream.token.name)
+        ):
+            stream = None  # (another token's session: as if unknown, so a token reveals nothing of it)
+        if stream is None or stream.state >= StreamState.RELEASED:
+            raise _Refused(
+                grpc.StatusCode.NOT_FOUND,
+                "no session to resume with this resume_token: it ended, its resume window passed, or it was never "
+                "issued here (a session is resumed on the server that holds it); open a new one",
+                "resume_not_found",
+            )
+        if not stream.detached.is_set():  # its old connection still holds it (the server has not seen it drop)
+            # Its handler ends that call (CANCELLED) once it takes the marker; one stuck sending to a dead
+            # connection is cancelled instead (the old call then ends when its transport does).
+            stream.taking = True
+            stream.responses.put(_TAKEN)
+            try:
+                await asyncio.wait_for(stream.detached.wait(), 1.0)
+            except TimeoutError:
+                if stream.handler is not None:
+                    stream.handler.cancel()
+                try:
+                    await asyncio.wait_for(stream.detached.wait(), 4.0)
+                except TimeoutError:
+                    raise _Refused(
+                        grpc.StatusCode.UNAVAILABLE, "the session's old connection did not let it go; retry", None
+                    ) from None
+            finally:
+                stream.taking = False
+            if stream.state >= StreamState.RELEASED:
+                raise _Refused(grpc.StatusCode.NOT_FOUND, "the session ended while it was taken over", None)
+        offset = config.resume_offset_samples
+        if offset < 0:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"resume_offset_samples={offset} is negative")
+        skip = stream.consumed_bytes - offset * stream.bytes_per_sample
+        if skip < 0:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"resume_offset_samples={offset} is past the {stream.consumed_samples} samples this session has "
+                f"consumed: send the audio from sample {stream.consumed_samples} (or earlier) on",
+            )
+        after = config.resume_after_response
+        if after > stream.response_index:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resume_after_response={after}: this session has sent {stream.response_index} responses",
+            )
+        if after < stream.response_index and stream.sent[0][0] > after + 1:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the responses after {after} are no longer held (the last {RESUME_REPLAY} are, from "
+                f"{stream.sent[0][0]}): open a new session",
+            )
+        # Taken: no await from here on, so no other resume can take it meanwhile.
+        stream.detached.clear()
+        if stream.expiry is not None:
+            stream.expiry.cancel()
+            stream.expiry = None
+        stream.skip_bytes = skip
+        stream.replay = [response for index, response in stream.sent if index > after]
+        self.metrics.resumed()
+        log.info(
+            "session %s resumed at sample %d (skipping %d bytes), after response %d: %d sent again",
+            stream.session_id,
+            offset,
+            skip,
+            after,
+            len(stream.replay),
+            extra={"session_id": stream.session_id},
+        )
+        return stream
 
     async def GetServerInfo(self, request, context):
         info = self.info
@@ -903,7 +1141,9 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         for the audio received, then UNAVAILABLE) and wait up to ``final_wait_s`` for those finals."""
         self.draining = True
         if await self._streams_ended_within(grace_s):
+            self._expire_held("the server drained")
             return
+        self._expire_held("the server drained")
         log.info("drain grace over: cutting %d open sessions after their finals", len(self._streams))
         if self.second_pass is not None:  # (finals that wait for it come before the wait below ends)
             self.second_pass.hurry(max(0.0, final_wait_s - 1.0))
@@ -914,11 +1154,21 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 "another server",
             )
         await self._streams_ended_within(final_wait_s)
+        self._expire_held("the server drained")
+
+    def _expire_held(self, why: str) -> None:
+        """Free every held (resumable, disconnected) session now."""
+        for stream in list(self._streams):
+            self._expire(stream, why)
+
+    def _attached(self) -> bool:
+        return any(not stream.detached.is_set() for stream in self._streams)
 
     async def _streams_ended_within(self, seconds: float) -> bool:
-        """Wait up to ``seconds`` for every open stream to end; True if they all did."""
+        """Wait up to ``seconds`` for every open stream with a connection to end (a held one is resumed
+        within its window or not at all); True if they all did."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while self._streams and loop.time() < deadline:
+        while self._attached() and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        return not self._streams
+        return not self._attached()

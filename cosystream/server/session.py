@@ -63,6 +63,7 @@ class SessionConfig:
     vocabulary: str = ""  # a named vocabulary's (serve --vocabulary), boosted too
     hotwords: str = ""  # the phrases as sent, for the second pass's prompt
     boosting: object = None  # what the phrases made for the session's model (decoding.phrases.Boosting)
+    resumable: bool = False  # held for the resume window when its connection drops (StreamingConfig.resumable)
 
 
 REALTIME_BURST_S = 2.0

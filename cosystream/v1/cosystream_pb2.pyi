@@ -74,7 +74,7 @@ class StreamingRecognizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class StreamingConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases", "vocabulary")
+    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases", "vocabulary", "resumable", "resume_token", "resume_offset_samples", "resume_after_response")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,10 @@ class StreamingConfig(_message.Message):
     MAX_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     PHRASES_FIELD_NUMBER: _ClassVar[int]
     VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AFTER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     encoding: AudioEncoding
     sample_rate_hz: int
     priority: Priority
@@ -99,7 +103,11 @@ class StreamingConfig(_message.Message):
     max_alternatives: int
     phrases: _containers.RepeatedCompositeFieldContainer[Phrase]
     vocabulary: str
-    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ..., vocabulary: _Optional[str] = ...) -> None: ...
+    resumable: bool
+    resume_token: str
+    resume_offset_samples: int
+    resume_after_response: int
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ..., vocabulary: _Optional[str] = ..., resumable: _Optional[bool] = ..., resume_token: _Optional[str] = ..., resume_offset_samples: _Optional[int] = ..., resume_after_response: _Optional[int] = ...) -> None: ...
 
 class Phrase(_message.Message):
     __slots__ = ("text", "boost")
@@ -132,18 +140,24 @@ class Control(_message.Message):
     def __init__(self, type: _Optional[_Union[Control.Type, str]] = ...) -> None: ...
 
 class StreamingRecognizeResponse(_message.Message):
-    __slots__ = ("results", "speech_event", "latency", "session_id", "error")
+    __slots__ = ("results", "speech_event", "latency", "session_id", "error", "response_index", "consumed_samples", "resume_token")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SPEECH_EVENT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StreamingResult]
     speech_event: SpeechEvent
     latency: Latency
     session_id: str
     error: StreamError
-    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+    response_index: int
+    consumed_samples: int
+    resume_token: str
+    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., response_index: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., resume_token: _Optional[str] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "retry_delay_ms")

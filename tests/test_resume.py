@@ -1,0 +1,266 @@
+"""Session resume: a resumable stream whose connection drops is held with its slot and state, and a client
+that reconnects with its resume token and the audio from the last consumed offset gets the same transcript as
+an uninterrupted stream, every response exactly once. Through a real server, a real TCP proxy on loopback
+that resets its connections mid-utterance, and grpcio's own client."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from cosystream.app.local import LocalServer
+from cosystream.engine.core import EngineConfig
+from cosystream.server.frontend import FrontendConfig
+from cosystream.server.servicer import StreamOptions
+from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.speech import encode, needs_espeak, silence, speech
+
+WINDOW_S = 2.0
+CHUNK = 3200  # 100 ms of 16 kHz LINEAR16
+
+
+class CuttingProxy:
+    """A TCP proxy on loopback whose ``cut()`` resets every connection it carries (SO_LINGER 0: an RST, as a
+    network that drops a connection leaves it), while it goes on accepting new ones."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RD)  # (wakes the thread reading it: the close below then takes effect)
+            sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
+
+
+@pytest.fixture(scope="module")
+def server():
+    frontend = FrontendConfig(
+        host="127.0.0.1", port=0, stream=StreamOptions(idle_timeout_s=10.0, resume_window_s=WINDOW_S)
+    )
+    with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=4, max_batch=4)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def proxy(server):
+    proxy = CuttingProxy(server.port)
+    yield proxy
+    proxy.close()
+
+
+def stub_for(port: int):
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+    return channel, pb_grpc.CosyStreamStub(channel)
+
+
+def config(**fields) -> pb.StreamingRecognizeRequest:
+    return pb.StreamingRecognizeRequest(
+        config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000, interim_results=True, **fields)
+    )
+
+
+def active(server) -> int:
+    channel, stub = stub_for(server.port)
+    with channel:
+        return stub.GetServerInfo(pb.GetServerInfoRequest()).active_sessions
+
+
+def wait_active(server, expected: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while active(server) != expected:
+        assert time.monotonic() < deadline, f"active sessions never reached {expected}"
+        time.sleep(0.05)
+
+
+class ResumingClient:
+    """Streams ``audio`` in 100 ms chunks and, when its connection fails, resumes: the token from the
+    responses, the audio from the last consumed offset, the responses after the last one received."""
+
+    def __init__(self, port: int, audio: bytes, cut_at_samples: list[int], proxy: CuttingProxy | None):
+        self.port, self.audio, self.proxy = port, audio, proxy
+        self.cuts = sorted(cut_at_samples)
+        self.responses: list[pb.StreamingRecognizeResponse] = []
+        self.token = ""
+        self.consumed = 0
+        self.connections = 0
+
+    def _requests(self, first: pb.StreamingRecognizeRequest, start: int):
+        yield first
+        for offset in range(start * 2, len(self.audio), CHUNK):
+            yield pb.StreamingRecognizeRequest(audio=self.audio[offset : offset + CHUNK])
+            time.sleep(0.01)
+
+    def run(self) -> list[pb.StreamingRecognizeResponse]:
+        first = config(resumable=True)
+        while True:
+            self.connections += 1
+            assert self.connections < 10, "resumed too often"
+            channel, stub = stub_for(self.port)
+            try:
+                cut = False
+                for response in stub.StreamingRecognize(self._requests(first, self.consumed), timeout=60):
+                    self.responses.append(response)
+                    self.token = response.resume_token
+                    self.consumed = response.consumed_samples
+                    if not cut and self.cuts and self.consumed >= self.cuts[0] and self.proxy is not None:
+                        cut = True
+                        self.cuts.pop(0)
+                        self.proxy.cut()  # mid-utterance: the connection resets under the call
+                return self.responses
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert self.token, "the connection failed before any response"
+                last = self.responses[-1].response_index if self.responses else 0
+                first = config(
+                    resume_token=self.token, resume_offset_samples=self.consumed, resume_after_response=last
+                )
+            finally:
+                channel.close()
+
+
+def finals(responses) -> list[str]:
+    return [r.transcript for response in responses for r in response.results if r.is_final]
+
+
+SENTENCES = ["the quick brown fox jumps over the lazy dog", "please call me back at the office tomorrow"]
+
+
+@needs_espeak
+def test_a_stream_cut_twice_mid_utterance_resumes_with_the_same_transcript_exactly_once(server, proxy):
+    parts = []
+    for sentence in SENTENCES:
+        parts += [speech(sentence), silence(1.0)]
+    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    whole = ResumingClient(server.port, audio, [], None).run()
+    assert finals(whole) and all(finals(whole)), finals(whole)
+
+    cut_at = [16000 * 1, 16000 * 4]  # inside the first sentence, and inside the second
+    client = ResumingClient(proxy.port, audio, cut_at, proxy)
+    resumed = client.run()
+    assert client.connections == 3, "both cuts were resumed"
+    assert finals(resumed) == finals(whole)
+    indexes = [response.response_index for response in resumed]
+    assert indexes == list(range(1, len(indexes) + 1)), "every response once, in order"
+    assert 0 < resumed[-1].consumed_samples <= len(audio) // 2
+    assert len({response.resume_token for response in resumed}) == 1
+    wait_active(server, 0)
+
+
+def test_a_held_session_is_freed_after_its_window_and_its_token_is_then_unknown(server, proxy):
+    wait_active(server, 0)
+    release = threading.Event()
+    token: list[str] = []
+
+    def requests():
+        yield config(resumable=True)
+        while not release.is_set():
+            yield pb.StreamingRecognizeRequest(audio=b"\0" * 320)
+            time.sleep(0.01)
+
+    channel, stub = stub_for(proxy.port)
+    call = stub.StreamingRecognize(requests(), timeout=30)
+    token.append(dict(call.initial_metadata())["cosystream-resume-token"])
+    wait_active(server, 1)
+    proxy.cut()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    release.set()
+    channel.close()
+    time.sleep(WINDOW_S / 2)
+    assert active(server) == 1, "held through its window"
+    wait_active(server, 0, timeout_s=WINDOW_S + 5)
+    channel, stub = stub_for(server.port)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        list(stub.StreamingRecognize(iter([config(resume_token=token[0])]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+    assert "resume" in caught.value.details()
+
+
+def test_a_resume_takes_over_a_connection_that_still_holds_the_session_and_checks_its_offsets(server):
+    """The client's network changed, the server has not noticed yet: the resume takes the session over; an
+    offset past what the server has consumed is refused and leaves the session held."""
+    wait_active(server, 0)
+    release = threading.Event()
+
+    def requests():
+        yield config(resumable=True)
+        for _ in range(20):
+            yield pb.StreamingRecognizeRequest(audio=b"\0" * CHUNK)
+        release.wait(30)
+
+    channel, stub = stub_for(server.port)
+    old = stub.StreamingRecognize(requests(), timeout=30)
+    token = dict(old.initial_metadata())["cosystream-resume-token"]
+    wait_active(server, 1)
+    time.sleep(0.5)  # (the 2 s of silence read)
+    other, new_stub = stub_for(server.port)
+    with other:
+        past = config(resume_token=token, resume_offset_samples=10**9)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(new_stub.StreamingRecognize(iter([past]), timeout=10))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+        assert "consumed" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(old)
+        assert caught.value.code() == grpc.StatusCode.CANCELLED  # (taken over, though that offset was refused)
+        # From sample 0, sending nothing more: the server skips what it has, and the half-close ends it OK.
+        again = config(resume_token=token, resume_offset_samples=0)
+        resumed = list(new_stub.StreamingRecognize(iter([again]), timeout=10))
+        assert all(response.resume_token == token for response in resumed)
+    release.set()
+    channel.close()
+    wait_active(server, 0)
+
+
+def test_compressed_audio_is_not_resumable(server):
+    channel, stub = stub_for(server.port)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        request = pb.StreamingRecognizeRequest(
+            config=pb.StreamingConfig(encoding=pb.OGG_OPUS, sample_rate_hz=16000, resumable=True)
+        )
+        list(stub.StreamingRecognize(iter([request]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
