@@ -308,6 +308,10 @@ class _Refused(Exception):
         self.code, self.message, self.reason, self.retry_after_s = code, message, reason, retry_after_s
 
 
+def _draining() -> _Refused:
+    return _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one", "draining")
+
+
 def _status_response(
     session_id: str, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
 ) -> pb.StreamingRecognizeResponse:
@@ -643,15 +647,21 @@ class _Stream:
             self.audio.close()
             self.servicer.metrics.token_audio(self.token.name, self.audio.spent_s)
             self.audio = None
+        self.let_go()
+        self.session.close()
+        self.engine.close(self.key)
+
+    def let_go(self) -> None:
+        """Stop reading the connection's requests and the timers that watch it, and drop its handler (at its
+        release, or when a resumable stream's connection goes away)."""
         if self.reader is not None:
             self.reader.cancel()
+            self.reader = None
         for timer in (self.idle_timer, self._force):
             if timer is not None:
                 timer.cancel()  # a timer holds the stream (session, decoder) until it fires
         self.idle_timer = self._force = None
         self.handler = None  # (the handler's frame holds this stream: no cycle left for the collector)
-        self.session.close()
-        self.engine.close(self.key)
 
     def _watch_idle(self) -> None:
         """Close the stream when no request came for the idle timeout (one timer per stream, not per
@@ -832,10 +842,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
     async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig | _Stream:
         """The stream's validated config, or the held stream a resume takes; raises :class:`_Refused` saying
         why not."""
-        if self.draining and not self._resumable:
-            raise _Refused(
-                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one", "draining"
-            )
+        if self.draining and not self._resumable:  # (else the first request says whether it resumes one)
+            raise _draining()
         try:
             first = await asyncio.wait_for(anext(requests), self.options.idle_timeout_s)
         except StopAsyncIteration:
@@ -851,9 +859,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         if first.config.resume_token:  # (a held session may be resumed while the server drains)
             return await self._take(first.config)
         if self.draining:
-            raise _Refused(
-                grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one", "draining"
-            )
+            raise _draining()
         try:
             config = validate_config(
                 first.config,
@@ -988,14 +994,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         """Hold a resumable stream whose connection went away for the resume window; False: not resumable."""
         if not stream.resume_token or stream.state >= StreamState.RELEASED:
             return False
-        if stream.reader is not None:
-            stream.reader.cancel()
-            stream.reader = None
-        for timer in (stream.idle_timer, stream._force):
-            if timer is not None:
-                timer.cancel()
-        stream.idle_timer = stream._force = None
-        stream.handler = None
+        stream.let_go()
         window_s = self.options.resume_window_s
         stream.expiry = asyncio.get_running_loop().call_later(window_s, self._expire, stream)
         stream.detached.set()
@@ -1140,10 +1139,10 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         """Refuse new streams; serve the open ones for ``grace_s``; then cut those still open (their final
         for the audio received, then UNAVAILABLE) and wait up to ``final_wait_s`` for those finals."""
         self.draining = True
-        if await self._streams_ended_within(grace_s):
-            self._expire_held("the server drained")
-            return
+        ended = await self._streams_ended_within(grace_s)
         self._expire_held("the server drained")
+        if ended:
+            return
         log.info("drain grace over: cutting %d open sessions after their finals", len(self._streams))
         if self.second_pass is not None:  # (finals that wait for it come before the wait below ends)
             self.second_pass.hurry(max(0.0, final_wait_s - 1.0))
