@@ -6,7 +6,9 @@ the finals are printed, one plain line each. ``--vtt`` / ``--srt`` write the fin
 cue per final with text, flushed cue by cue so that nothing is lost however the program ends.
 
 Ctrl-C stops listening: the stream is half-closed, the server's last final is shown and written, and
-the program exits 0 (a second Ctrl-C exits at once with 130).
+the program exits 0 (a second Ctrl-C exits at once with 130). A dropped connection (Wi-Fi roaming, a
+proxy recycling it) is resumed: the session goes on where it was, with nothing missed or repeated
+(``cosystream.v1.resume``; ``--no-resume`` ends the stream instead).
 
     python clients/caption.py                          # the default microphone, localhost:50051
     python clients/caption.py --list-devices
@@ -42,7 +44,6 @@ try:
     from cosystream.v1.client import (
         Connection,
         HelpFormatter,
-        StreamStatus,
         add_connection_args,
         connection_from_args,
         describe_error,
@@ -50,6 +51,7 @@ try:
         read_wav,
         server_address,
     )
+    from cosystream.v1.resume import DEFAULT_RESUME, NO_RESUME, ResumableStream, ResumeError
 except ModuleNotFoundError as err:  # not the Python cosystream is installed in: say which, not a traceback
     sys.exit(
         f"caption: {err}: run it with cosystream's Python (`. .venv/bin/activate` in the checkout, made by"
@@ -84,6 +86,7 @@ class CaptionConfig:
     hold_ms: float = HOLD_MS  # interim words are shown once unchanged this long (0: as they come)
     phrases: tuple = ()  # phrase boosting (--phrases FILE): pb.Phrase
     vocabulary: str = ""  # a named vocabulary the server holds (--vocabulary NAME)
+    resume: bool = True  # a dropped connection is resumed, nothing lost (--no-resume: the stream ends)
 
     def __post_init__(self) -> None:
         if self.hold_ms < 0:
@@ -428,7 +431,7 @@ class Captioner:
         self.display = captions.display
         self.stopping = False
         self.audio_s = 0.0
-        self.status = StreamStatus()
+        self._audio_ended_s: float | None = None  # (loop time) the source ended: the last final is due
 
     def stop(self) -> None:
         """Stop listening; the server's last final still arrives."""
@@ -456,72 +459,71 @@ class Captioner:
             self.display.status(
                 f"connected to {self.config.server} (cosystream {info.version}, {model} on {info.device})"
             )
-            call = stub.StreamingRecognize()
+            config = pb.StreamingConfig(
+                encoding=pb.LINEAR16,
+                sample_rate_hz=self.source.rate_hz,
+                priority=pb.REALTIME,
+                interim_results=True,
+                phrases=self.config.phrases,
+                vocabulary=self.config.vocabulary,
+            )
+            stream = ResumableStream(
+                stub,
+                config,
+                policy=DEFAULT_RESUME if self.config.resume else NO_RESUME,
+                on_resume=lambda n: self.display.status(f"connection lost and resumed ({n}): nothing was missed"),
+            )
             try:
-                await self._stream(call)
+                await self._stream(stream)
             except grpc.aio.AioRpcError as err:
-                # (a write racing the server's abort can surface as INTERNAL: the status response says more)
-                code, details = self.status.code_and_details(err)
+                code, details = err.code(), err.details()
                 verb = "ended the stream" if code == grpc.StatusCode.UNAVAILABLE else "refused the stream"
                 raise CaptionError(
                     f"server {verb}: {describe_error(code, details, self.config.connection)}"
                 ) from err
+            except ResumeError as err:
+                raise CaptionError(f"the stream could not be resumed: {err}") from err
         if self.source.overflows:
             self.display.status(f"warning: {self.source.overflows} input overflows (audio was dropped)")
 
-    async def _stream(self, call: grpc.aio.StreamStreamCall) -> None:
-        reader = asyncio.create_task(self._read(call))
-        sender = asyncio.create_task(self._send(call))
+    async def _stream(self, stream: ResumableStream) -> None:
+        """Every response to the captions, the connection resumed if it drops; once the audio has ended, the
+        last final must come within ``drain_timeout_s``."""
+        responses = stream.recognize(self._audio())
         try:
-            await asyncio.wait({reader, sender}, return_when=asyncio.FIRST_COMPLETED)
-            if not reader.done():
-                sender.result()  # a failed source raises here; else the stream is half-closed
+            while True:
+                wait_s = None if self._audio_ended_s is None else self._drain_left_s()
                 try:
-                    await asyncio.wait_for(reader, self.config.drain_timeout_s)
+                    response = await asyncio.wait_for(anext(responses), wait_s)
+                except StopAsyncIteration:
+                    return
                 except TimeoutError as err:
                     raise CaptionError(
                         f"the server sent no last final within {self.config.drain_timeout_s:g} s of the end of the audio"
                     ) from err
-            reader.result()  # the server's error status, if it ended the stream with one
+                self.captions.handle(response)
         finally:
-            for task in (sender, reader):
-                task.cancel()
-            call.cancel()
-            await asyncio.gather(sender, reader, return_exceptions=True)
+            await responses.aclose()
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
-        async for response in call:
-            self.status.seen(response)
-            self.captions.handle(response)
+    def _drain_left_s(self) -> float:
+        return max(0.0, self._audio_ended_s + self.config.drain_timeout_s - asyncio.get_running_loop().time())
 
-    async def _send(self, call: grpc.aio.StreamStreamCall) -> None:
-        config = pb.StreamingConfig(
-            encoding=pb.LINEAR16,
-            sample_rate_hz=self.source.rate_hz,
-            priority=pb.REALTIME,
-            interim_results=True,
-            phrases=self.config.phrases,
-            vocabulary=self.config.vocabulary,
-        )
+    async def _audio(self) -> AsyncIterator[bytes]:
+        """The source's blocks, until it ends or ``duration_s`` of them were sent."""
         limit = self.config.duration_s * self.source.rate_hz if self.config.duration_s else float("inf")
         sent = 0
         try:
-            await call.write(pb.StreamingRecognizeRequest(config=config))
-            # The server sends its initial metadata once it has accepted the config; waiting for it keeps
-            # audio writes from racing a refusal, whose status then arrives intact.
-            await call.initial_metadata()
             async with contextlib.aclosing(self.source.blocks()) as blocks:
                 async for block in blocks:
-                    await call.write(pb.StreamingRecognizeRequest(audio=block))
+                    yield block
                     if not sent:
                         self.display.status(f"listening to {self.source.name} (Ctrl-C to stop)")
                     sent += len(block) // 2
                     self.audio_s = sent / self.source.rate_hz
                     if sent >= limit:
                         break
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            return  # the stream has ended; the reader reports its status
+        finally:
+            self._audio_ended_s = asyncio.get_running_loop().time()
 
 
 async def caption(config: CaptionConfig, display: PlainDisplay) -> Captions:
@@ -599,6 +601,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="a named vocabulary the server holds (serve --vocabulary NAME=FILE), boosted with --phrases",
     )
+    parser.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="end on a dropped connection instead of resuming the session (docs/RELIABILITY.md)",
+    )
     add_connection_args(parser)
     return parser.parse_args(argv)
 
@@ -618,6 +626,7 @@ def parse_config(args: argparse.Namespace) -> CaptionConfig:
         connection=connection_from_args(args),
         phrases=read_phrases(args.phrases) if args.phrases else (),
         vocabulary=args.vocabulary,
+        resume=args.resume,
     )
 
 

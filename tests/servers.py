@@ -1,10 +1,13 @@
-"""A whole server for a test module (the engine in a subprocess, a frontend on a background thread), and a
-client stream that holds a session open."""
+"""A whole server for a test module (the engine in a subprocess, a frontend on a background thread), a
+client stream that holds a session open, and a TCP proxy that drops the connections it carries."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import socket
+import struct
 import sys
 import threading
 from collections.abc import Iterator
@@ -279,3 +282,53 @@ class WebhookServer(http.server.ThreadingHTTPServer):
 
         super().__init__(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}/results"
+
+
+class CuttingProxy:
+    """A TCP proxy on loopback whose ``cut()`` resets every connection it carries (SO_LINGER 0: an RST, as a
+    network that drops a connection leaves it), while it goes on accepting new ones."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RD)  # (wakes the thread reading it: the close below then takes effect)
+            sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # (wakes accept(): nothing listens on the port any more)
+        self.listener.close()
+        self.cut()

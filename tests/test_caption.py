@@ -28,6 +28,7 @@ from clients import caption
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
 from cosystream.v1 import cosystream_pb2 as pb
+from tests.servers import CuttingProxy
 from tests.speech import needs_espeak, silence, speech
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,6 +327,34 @@ def test_ctrl_c_flushes_the_last_final(server, tmp_path):
     assert len(cues) == 1 and len(plain_finals(stdout)) == 1
     start, end, _ = cues[0]
     assert abs(start - 300) <= 300 and 1000 <= end <= 2600, cues  # stopped near 1.5 s of a 10 s file
+
+
+@needs_espeak
+def test_a_dropped_connection_is_resumed_and_the_captions_are_whole(server, file_run):
+    """The same file as ``file_run``, through a proxy that resets the connection mid-utterance: the captioner
+    resumes the session by itself and writes the same captions, each once."""
+    run, _, tmp, _, duration_s = file_run
+    expected = parse_subtitles((tmp / "out.vtt").read_text(), "vtt")
+    proxy = CuttingProxy(server.port)
+    try:
+        args = [
+            "--server",
+            f"127.0.0.1:{proxy.port}",
+            "--file",
+            str(tmp / "speech.wav"),
+            "--vtt",
+            str(tmp / "cut.vtt"),
+        ]
+        process, _ = start_client(*args, "--duration", f"{duration_s:.2f}")
+        time.sleep(1.0)  # (inside the first utterance)
+        proxy.cut()
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        proxy.close()
+    assert process.returncode == 0, stderr
+    assert "connection lost and resumed (1)" in stderr
+    assert parse_subtitles((tmp / "cut.vtt").read_text(), "vtt") == expected
+    assert plain_finals(stdout) == plain_finals(run.stdout)
 
 
 def test_server_unreachable(tmp_path):

@@ -5,9 +5,7 @@ that resets its connections mid-utterance, and grpcio's own client."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import struct
+import asyncio
 import threading
 import time
 
@@ -21,58 +19,12 @@ from cosystream.server.frontend import FrontendConfig
 from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.resume import DEFAULT_RESUME, ResumableStream, ResumePolicy
+from tests.servers import CuttingProxy
 from tests.speech import encode, needs_espeak, silence, speech
 
 WINDOW_S = 2.0
 CHUNK = 3200  # 100 ms of 16 kHz LINEAR16
-
-
-class CuttingProxy:
-    """A TCP proxy on loopback whose ``cut()`` resets every connection it carries (SO_LINGER 0: an RST, as a
-    network that drops a connection leaves it), while it goes on accepting new ones."""
-
-    def __init__(self, target_port: int):
-        self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            with self._lock:
-                self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-
-    def cut(self) -> None:
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RD)  # (wakes the thread reading it: the close below then takes effect)
-            sock.close()
-
-    def close(self) -> None:
-        self._closed = True
-        self.listener.close()
-        self.cut()
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +216,115 @@ def test_compressed_audio_is_not_resumable(server):
         )
         list(stub.StreamingRecognize(iter([request]), timeout=10))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --- the client library: cosystream.v1.resume.ResumableStream ---------------------------------------------
+
+
+async def paced(audio: bytes, chunk: int = CHUNK, pause_s: float = 0.01):
+    """``audio`` in ``chunk``-byte pieces, ``pause_s`` apart (a source the client reads as it goes)."""
+    for offset in range(0, len(audio), chunk):
+        yield audio[offset : offset + chunk]
+        await asyncio.sleep(pause_s)
+
+
+async def recognize(port: int, audio, policy=DEFAULT_RESUME, cut_at: list[int] | None = None, proxy=None):
+    """The responses of a :class:`ResumableStream` of ``audio`` (an async iterable) through ``port``, with the
+    proxy cutting the connection once the server has consumed each of ``cut_at`` samples; and the stream."""
+    cuts = sorted(cut_at or [])
+    responses: list[pb.StreamingRecognizeResponse] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stream = ResumableStream(
+            pb_grpc.CosyStreamStub(channel),
+            pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000, interim_results=True),
+            policy=policy,
+        )
+        async for response in stream.recognize(audio):
+            responses.append(response)
+            if cuts and response.consumed_samples >= cuts[0]:
+                cuts.pop(0)
+                proxy.cut()  # the connection resets under the call; the stream resumes by itself
+    return responses, stream
+
+
+@needs_espeak
+def test_the_client_library_resumes_by_itself_with_the_same_transcript_exactly_once(server, proxy):
+    parts = []
+    for sentence in SENTENCES:
+        parts += [speech(sentence), silence(1.0)]
+    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    whole, _ = asyncio.run(recognize(server.port, paced(audio)))
+    assert finals(whole) and all(finals(whole)), finals(whole)
+
+    resumed, stream = asyncio.run(recognize(proxy.port, paced(audio), cut_at=[16000, 16000 * 4], proxy=proxy))
+    assert (stream.connections, stream.resumes) == (3, 2)
+    assert finals(resumed) == finals(whole)
+    indexes = [response.response_index for response in resumed]
+    assert indexes == list(range(1, len(indexes) + 1)), "every response once, in order"
+    # (the trailing silence, under a second of it, gave no response to report it)
+    assert len(audio) // 2 - 16000 <= stream.consumed_samples <= len(audio) // 2
+    wait_active(server, 0)
+
+
+def test_a_resumable_stream_reports_what_it_consumed_through_silence_so_the_client_keeps_little(server):
+    """No speech, no results: the server still says every second how much it has, and the client lets the
+    rest go (it keeps about a second of audio, not the whole silence)."""
+    audio = encode(silence(4.0), "LINEAR16")
+    kept: list[int] = []
+
+    async def source():
+        async for chunk in paced(audio, chunk=320, pause_s=0.01):  # 10 ms chunks at real time
+            kept.append(stream_box[0].buffered_bytes)
+            yield chunk
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stream = ResumableStream(
+                pb_grpc.CosyStreamStub(channel), pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000)
+            )
+            stream_box.append(stream)
+            return [response async for response in stream.recognize(source())]
+
+    stream_box: list[ResumableStream] = []
+    responses = asyncio.run(run())
+    consumed = [response.consumed_samples for response in responses if not response.results]
+    assert len(consumed) >= 3, consumed
+    gaps = np.diff([0, *consumed])
+    assert gaps.max() <= 16000 + 3200, f"a response at least every second of audio: {gaps}"
+    assert max(kept) <= 2 * 32000, f"the client kept up to {max(kept)} bytes (2 s of audio is 64000)"
+    wait_active(server, 0)
+
+
+def test_the_client_library_gives_up_when_the_session_is_gone(server, proxy):
+    """A reconnection after the resume window: NOT_FOUND, raised; a server that stays unreachable: UNAVAILABLE
+    after the policy's attempts, in about the time they take."""
+    audio = encode(silence(3.0), "LINEAR16")
+    late = ResumePolicy(attempts=2, first_delay_s=WINDOW_S + 1.5, max_delay_s=WINDOW_S + 1.5)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        asyncio.run(recognize(proxy.port, paced(audio), late, cut_at=[16000], proxy=proxy))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+    wait_active(server, 0, timeout_s=WINDOW_S + 5)
+
+    quick = ResumePolicy(attempts=3, first_delay_s=0.05, max_delay_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+
+        def cut_for_good():
+            proxy.close()  # (and nothing listens on its port any more)
+
+        asyncio.run(recognize(proxy.port, paced(audio), quick, cut_at=[16000], proxy=_Once(cut_for_good)))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 15
+    wait_active(server, 0, timeout_s=WINDOW_S + 5)
+
+
+class _Once:
+    """A stand-in proxy whose ``cut`` runs ``action``."""
+
+    def __init__(self, action):
+        self.cut = action
+
+
+def test_the_client_library_refuses_a_compressed_encoding():
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        ResumableStream(None, pb.StreamingConfig(encoding=pb.OGG_OPUS, sample_rate_hz=16000))

@@ -6,11 +6,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
-import grpc
-
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
-from cosystream.v1.client import StreamStatus
+from cosystream.v1.resume import ResumableStream
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +36,8 @@ class AsrStream:
     :meth:`feed` takes audio of any length from the media side (synchronously, from a datagram
     callback) and queues it as 20 ms chunks; :meth:`close` half-closes, and the server answers with the
     last final; :meth:`run` streams until the server ends the stream and raises
-    ``grpc.aio.AioRpcError`` when it ends with an error (server down, draining, full).
+    ``grpc.aio.AioRpcError`` when it ends with an error (server gone, draining, full). A dropped
+    connection to the server is resumed (``cosystream.v1.resume``): the call's transcript loses nothing.
     """
 
     def __init__(
@@ -79,21 +78,15 @@ class AsrStream:
             self._partial.clear()
         self._queue.put_nowait(None)
 
-    async def _requests(self) -> AsyncIterator[pb.StreamingRecognizeRequest]:
-        yield pb.StreamingRecognizeRequest(config=self._config)
+    async def _audio(self) -> AsyncIterator[bytes]:
         while (chunk := await self._queue.get()) is not None:
             self.sent_bytes += len(chunk)
-            yield pb.StreamingRecognizeRequest(audio=chunk)
+            yield chunk
 
     async def run(self) -> None:
-        call = self._stub.StreamingRecognize(self._requests())
-        status = StreamStatus()
-        try:
-            async for response in call:
-                status.seen(response)
-                for result in response.results:
-                    if result.is_final:
-                        self.finals += 1
-                    self._on_result(result)
-        except grpc.aio.AioRpcError as err:
-            raise status.resolve(err) from None
+        stream = ResumableStream(self._stub, self._config)
+        async for response in stream.recognize(self._audio()):
+            for result in response.results:
+                if result.is_final:
+                    self.finals += 1
+                self._on_result(result)

@@ -82,6 +82,10 @@ RESUME_EOF_WAIT_S = 0.1
 (then the session is held) before taking it as a half-close (then its last final is flushed): the price of
 resume is up to this much on a half-close's final."""
 
+RESUME_PROGRESS_S = 1.0
+"""A resumable stream gets a response at least every this much of its audio consumed (one with no results
+during silence), so its client need keep only about that much audio for a resume."""
+
 RESUMABLE = {AudioEncoding.LINEAR16: 2, AudioEncoding.MULAW: 1, AudioEncoding.ALAW: 1}  # bytes per sample
 
 
@@ -413,6 +417,8 @@ class _Stream:
         self.consumed_bytes = 0
         self.skip_bytes = 0  # (a resumed connection's audio the session already has)
         self.response_index = 0
+        self.reported_samples = 0  # consumed_samples as of the last response sent
+        self.progress_samples = int(RESUME_PROGRESS_S * config.sample_rate_hz)
         self.sent: deque[tuple[int, pb.StreamingRecognizeResponse]] = deque(maxlen=RESUME_REPLAY)
         self.expiry: asyncio.TimerHandle | None = None
         self.detached = asyncio.Event()  # set while held (no connection holds it)
@@ -435,7 +441,7 @@ class _Stream:
         if self.resume_token:
             self.response_index += 1
             response.response_index = self.response_index
-            response.consumed_samples = self.consumed_samples
+            response.consumed_samples = self.reported_samples = self.consumed_samples
             response.resume_token = self.resume_token
             self.sent.append((self.response_index, response))
         return response
@@ -729,6 +735,13 @@ class _Stream:
                             self.last_request_s = time.monotonic()
                             if self.state != StreamState.STREAMING:
                                 return
+                    if (
+                        self.resume_token
+                        and self.consumed_samples - self.reported_samples >= self.progress_samples
+                        and not len(self.responses)
+                    ):  # (no response for a while, silence say: one that only says what was consumed)
+                        self.responses.put(pb.StreamingRecognizeResponse(session_id=self.session_id))
+                        self.reported_samples = self.consumed_samples
                 elif kind == "control":
                     if request.control.type == pb.Control.FINALIZE:
                         session.finalize()
