@@ -122,6 +122,10 @@ def _metrics() -> dict:
     SESSIONS_EXPIRED = Counter(
         "cosystream_sessions_expired", "Held sessions freed because no client resumed them within the window."
     )
+    RESUMES_FORWARDED = Counter(
+        "cosystream_resumes_forwarded",
+        "Resumes that reached this frontend for a session another frontend of the server holds, passed on to it.",
+    )
     # The second pass (serve --final-model), per frontend process.
     SECOND_PASS_JOBS = Counter(
         "cosystream_second_pass_jobs",
@@ -239,6 +243,9 @@ class FrontendMetrics:
 
     def expired(self) -> None:
         self._m["SESSIONS_EXPIRED"].inc()
+
+    def forwarded(self) -> None:
+        self._m["RESUMES_FORWARDED"].inc()
 
     def token_audio(self, token: str, seconds: float) -> None:
         """A stream of ``token`` (one with usage limits) ended, having sent ``seconds`` of audio."""

@@ -20,7 +20,7 @@ from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.resume import DEFAULT_RESUME, ResumableStream, ResumePolicy
-from tests.servers import CuttingProxy
+from tests.servers import CuttingProxy, Served
 from tests.speech import encode, needs_espeak, silence, speech
 
 WINDOW_S = 2.0
@@ -328,3 +328,31 @@ class _Once:
 def test_the_client_library_refuses_a_compressed_encoding():
     with pytest.raises(ValueError, match="cannot be resumed"):
         ResumableStream(None, pb.StreamingConfig(encoding=pb.OGG_OPUS, sample_rate_hz=16000))
+
+
+@needs_espeak
+def test_a_resume_that_lands_on_another_frontend_is_passed_to_the_one_holding_the_session():
+    """``serve --frontends 3``: each reconnection reaches any frontend (SO_REUSEPORT); cut eight times, the
+    stream resumes every time, some through a frontend that does not hold the session, and the transcript is
+    the one of an uncut stream."""
+    parts = []
+    for sentence in SENTENCES:
+        parts += [speech(sentence), silence(1.0)]
+    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    with Served("--frontends", "3", "--max-sessions", "8") as served:
+        served.wait(lambda: served.health() == 1, 60, "every frontend listening")
+        whole, _ = asyncio.run(recognize(served.port, paced(audio)))
+        proxy = CuttingProxy(served.port)
+        try:
+            cut_at = [4000 + 12000 * i for i in range(8)]
+            resumed, stream = asyncio.run(recognize(proxy.port, paced(audio), cut_at=cut_at, proxy=proxy))
+        finally:
+            proxy.close()
+        assert stream.resumes == 8
+        assert finals(resumed) == finals(whole) and finals(whole)
+        indexes = [response.response_index for response in resumed]
+        assert indexes == list(range(1, len(indexes) + 1)), "every response once, in order"
+        assert stream.token.split(".")[0] in {"0", "1", "2"}, "the token names its frontend"
+        # (each resume lands on the holder with 1/3 odds: all eight doing so, 1 in 6561)
+        assert served.metric("cosystream_resumes_forwarded_total") >= 1
+        served.wait(lambda: served.info().active_sessions == 0, 10, "the session freed")

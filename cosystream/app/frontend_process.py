@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from dataclasses import replace
 
 from cosystream.engine.prctl import exit_with_parent, set_process_name
 from cosystream.logs import configure as configure_logs
@@ -30,6 +31,8 @@ def frontend_main(
     exit_with_parent()
     set_process_name(f"cs-frontend-{index}")
     configure_logs(log_level, log_format)
+
+    config = replace(config, stream=replace(config.stream, frontend_index=index))
 
     async def run() -> None:
         frontend = Frontend(config, address, authkey, token_sessions=token_sessions)

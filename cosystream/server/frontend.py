@@ -208,6 +208,10 @@ class Frontend:
             self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        # Its own socket, with several frontends: resumes of its sessions that landed on a sibling come through it.
+        own = self.config.stream.peers[self.config.stream.frontend_index] if self.config.stream.peers else None
+        if own is not None and self.server.add_insecure_port(own) == 0:
+            raise OSError(f"cannot bind {own}")
         self._services = ("", SERVICE_NAME, *compat_services)
         await self.server.start()
         if self.config.http is not None:
@@ -275,6 +279,7 @@ class Frontend:
             self.second_pass.close()
         if self.servicer is not None:
             self.servicer.lag.stop()
+            await self.servicer.peers.close()
         if self.tracer is not None:
             self.tracer.shutdown()  # (the spans batched so far are sent)
         self.engine.close_connection()

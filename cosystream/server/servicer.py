@@ -47,6 +47,7 @@ from cosystream.server.auth import current_token
 from cosystream.server.engine_client import Engine
 from cosystream.server.engine_pool import EnginePool
 from cosystream.server.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, FinalPass
+from cosystream.server.forward import Peers, forward, token_frontend
 from cosystream.server.loop_lag import ADMIT_LAG_S, LoopLag
 from cosystream.server.model_decoders import ModelDecoders
 from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
@@ -113,6 +114,10 @@ class StreamOptions:
     tracing: TracingConfig | None = None
     # How long a resumable session whose connection dropped is held for its client to resume it.
     resume_window_s: float = RESUME_WINDOW_S
+    # With several frontends: each one's own socket (index-ordered; forward.py), on which a resume that
+    # landed on another frontend is passed to the one holding its session; and this frontend's index.
+    peers: tuple[str, ...] = ()
+    frontend_index: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.admit_lag_s < math.inf:
@@ -295,6 +300,16 @@ class _Abort:
 
 
 _DONE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """A resume of a session another frontend of this server holds: passed on to it (``forward.py``)."""
+
+    first: pb.StreamingRecognizeRequest
+    frontend: int
+
+
 _TAKEN = object()  # (a resume on another connection takes the stream: its handler lets it go)
 
 
@@ -412,7 +427,7 @@ class _Stream:
         self.opened = False
         # Resume (config.resumable): the token, the input consumed (bytes; samples for the client), the responses
         # sent (numbered, the last RESUME_REPLAY kept), and while no connection holds it, the expiry timer.
-        self.resume_token = secrets.token_urlsafe(18) if config.resumable else ""
+        self.resume_token = servicer.new_resume_token() if config.resumable else ""
         self.bytes_per_sample = RESUMABLE.get(config.encoding, 1)
         self.consumed_bytes = 0
         self.skip_bytes = 0  # (a resumed connection's audio the session already has)
@@ -803,9 +818,15 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         self.draining = False
         self._streams: set[_Stream] = set()
         self._resumable: dict[str, _Stream] = {}  # resume token -> its stream, held or attached
+        self.peers = Peers(options.peers)  # (the other frontends: a resume of one of their sessions goes there)
         self.models = ModelDecoders(
             engine, options.decoder, options.decoders, options.vocabularies, self._phrase_lists
         )
+
+    def new_resume_token(self) -> str:
+        """Unguessable; with several frontends, prefixed with this one's index (``forward.py``)."""
+        token = secrets.token_urlsafe(18)
+        return f"{self.options.frontend_index}.{token}" if self.options.peers else token
 
     def thin_interims_now(self, thin: bool) -> None:
         """Thin every stream's interims (an engine sheds them, ``engine/headroom.py``), or no longer."""
@@ -852,9 +873,11 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
     def model_by_id(self, model: int) -> ModelInfo | None:
         return self.engine.model_by_id(model)
 
-    async def _accept(self, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> SessionConfig | _Stream:
-        """The stream's validated config, or the held stream a resume takes; raises :class:`_Refused` saying
-        why not."""
+    async def _accept(
+        self, requests: AsyncIterator[pb.StreamingRecognizeRequest]
+    ) -> SessionConfig | _Stream | _Forward:
+        """The stream's validated config, the held stream a resume takes, or the frontend to pass a resume to
+        (its session is held there); raises :class:`_Refused` saying why not."""
         if self.draining and not self._resumable:  # (else the first request says whether it resumes one)
             raise _draining()
         try:
@@ -870,6 +893,9 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         if first.WhichOneof("request") != "config":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         if first.config.resume_token:  # (a held session may be resumed while the server drains)
+            holder = token_frontend(first.config.resume_token)
+            if holder is not None and holder != self.options.frontend_index and holder < len(self.options.peers):
+                return _Forward(first, holder)
             return await self._take(first.config)
         if self.draining:
             raise _draining()
@@ -926,6 +952,12 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                 self.metrics.rejected(refused.reason, None if token is None else token.name)
             yield _last_response("", refused)
             await _abort(context, refused)
+        if isinstance(accepted, _Forward):
+            log.info("a resume of frontend %d's session: passed on to it", accepted.frontend)
+            self.metrics.forwarded()
+            async for response in forward(self.peers.stub(accepted.frontend), accepted.first, requests, context):
+                yield response
+            return
 
         resumed = isinstance(accepted, _Stream)
         # (no side effects until the try owns it)
