@@ -73,6 +73,24 @@ def test_the_load_of_sessions_just_ended_is_not_charged_to_those_left():
     assert headroom.refuse(1, cost) is None
 
 
+def test_sessions_admitted_since_the_windows_are_priced_before_their_speech_reaches_the_load():
+    """A ramp of arrivals: the windows measured ten sessions' steps, ten more were admitted since (their
+    audio not stepped yet). One more is priced as a step of 21 sessions' rows, not of 11."""
+    headroom = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    cost = line_cost(1.0, 1.0)
+    for _ in range(4):
+        headroom.observe(0.5, rows=10, frames=1, sessions=10)
+    assert headroom.projected(10, cost) == pytest.approx(0.5 * 12 / 11)  # steady: admitted
+    assert headroom.projected(20, cost) == pytest.approx(0.5 * 22 / 11)  # 1.0: refused
+    assert headroom.refuse(20, cost) is not None
+    # Steps more often than every session's frame: 40 sessions open, 20 rows a step; one more adds half a row.
+    steps = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    for _ in range(4):
+        steps.observe(0.5, rows=20, frames=1, sessions=40)
+    assert steps.projected(40, cost) == pytest.approx(0.5 * 22 / 21)  # (ceil(20.5) rows)
+    assert steps.projected(60, cost) == pytest.approx(0.5 * 32 / 21)  # (ceil(30.5) rows)
+
+
 def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_as_long():
     clock = FakeClock()
     headroom = Headroom(0.9, window_s=1.0, clock=clock)

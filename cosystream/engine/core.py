@@ -435,7 +435,10 @@ class EngineCore:
         steps, rows, frames = self._realtime_steps
         self._realtime_steps = (0, 0, 0)
         stage = self.headroom.stage
-        if self.headroom.observe(load, rows / steps if steps else 0.0, frames / steps if steps else 0.0):
+        counts = self.active_sessions()
+        if self.headroom.observe(
+            load, rows / steps if steps else 0.0, frames / steps if steps else 0.0, counts["realtime"]
+        ):
             limit = self.headroom.limit
             if self.headroom.overloaded:
                 log.warning(
@@ -452,7 +455,6 @@ class EngineCore:
         if self.metrics is not None:
             self.metrics.set_load(load)
             self.metrics.set_overloaded(self.headroom.overloaded)
-        counts = self.active_sessions()
         self.report = LoadReport(
             load=round(load, 2),
             realtime=counts["realtime"],

@@ -6,9 +6,11 @@ loop is busy with realtime work, BATCH steps left out), averaged over the last :
 (2 s) so that one slow window (a collection, a model load beside the loop) does not close the door. What one
 more session would add comes from the scheduler's **step cost model** (the measured time of a step per row
 bucket and frames, ``Scheduler.estimate_cost_s``), not from a share per session: a batched step costs little
-more for one more row, so the load is scaled by ``cost(rows + 1) / cost(rows)``, ``rows`` the mean rows of the
-windows' realtime steps. With fewer sessions open now than those steps had (a burst of calls just ended),
-``cost(open + 1) / cost(rows)``: the load of sessions that have ended is not charged to those left. A new
+more for one more row, so the load is scaled by ``cost(rows') / cost(rows)``, ``rows`` the mean rows of the
+windows' realtime steps and ``rows' = rows x (open + 1) / sessions`` the rows of a step once each of the
+``open`` sessions (and the new one) brings its share, ``sessions`` the realtime sessions open during the
+windows. So a ramp of arrivals is priced as it is admitted, before their speech reaches the measured load,
+and after a burst of calls has ended the load of those calls is not charged to the sessions left. A new
 REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when that projection
 would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`). Before the cost model has measured
 both sizes, the projection is linear in rows (the cautious side). BATCH sessions are not refused for load:
@@ -99,8 +101,9 @@ class Headroom:
         self.admit_load = admit_load or 0.0
         self.window_s = window_s
         self._clock = clock
-        # Per window: (load, mean rows, mean frames of its realtime steps; 0 and 0 without any).
-        self._recent: deque[tuple[float, float, float]] = deque(maxlen=RECENT_WINDOWS)
+        # Per window: (load, mean rows, mean frames of its realtime steps, 0 and 0 without any; the realtime
+        # sessions open at its end).
+        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=RECENT_WINDOWS)
         self.overloaded = False
         self._since = clock()  # when the load last crossed the limit
         self._over = False  # the last window's load was at or over the limit
@@ -114,29 +117,34 @@ class Headroom:
     @property
     def recent(self) -> float:
         """The projected load, averaged over the last windows (0 before the first)."""
-        return sum(load for load, _, _ in self._recent) / len(self._recent) if self._recent else 0.0
+        return sum(window[0] for window in self._recent) / len(self._recent) if self._recent else 0.0
 
     def projected(self, realtime: int, cost: StepCost | None = None) -> float | None:
         """The load with one more REALTIME session, ``realtime`` open now; None: nothing to project from (no
-        realtime step in the last windows)."""
-        stepped = [(rows, frames) for _, rows, frames in self._recent if rows]
+        realtime step in the last windows).
+
+        The windows' steps had ``rows`` rows on average while ``sessions`` were open; with ``realtime + 1``
+        open, each session bringing its share, a step has ``rows x (realtime + 1) / sessions`` rows, and the
+        load grows as the cost of such a step over the cost of the steps measured. So sessions admitted since
+        the windows (a ramp of arrivals, whose speech has not reached the load yet) are priced in, and those
+        that have ended since are not."""
+        stepped = [(rows, frames, sessions) for _, rows, frames, sessions in self._recent if rows]
         if not stepped:
             return None
-        rows = max(1, round(sum(r for r, _ in stepped) / len(stepped)))
-        frames = max(1, round(sum(f for _, f in stepped) / len(stepped)))
-        ref = min(rows, realtime)
-        now, more = (math.inf, math.inf) if cost is None else (cost(rows, frames), cost(ref + 1, frames))
-        if 0 < now < math.inf and more < math.inf:
-            growth = more / now if ref < rows else max(1.0, more / now)
-        else:
-            growth = (ref + 1) / rows  # (linear: the cautious side)
+        rows = max(1, round(sum(r for r, _, _ in stepped) / len(stepped)))
+        frames = max(1, round(sum(f for _, f, _ in stepped) / len(stepped)))
+        sessions = sum(s or r for r, _, s in stepped) / len(stepped)  # (not counted: as many as rows)
+        target = rows * (realtime + 1) / max(1.0, sessions)
+        now, more = (math.inf, math.inf) if cost is None else (cost(rows, frames), cost(math.ceil(target), frames))
+        growth = more / now if 0 < now < math.inf and more < math.inf else target / rows  # (linear: cautious)
         return self.recent * growth
 
-    def observe(self, load: float, rows: float = 0.0, frames: float = 0.0) -> bool:
-        """A window's projected load, with the mean rows and frames of its realtime steps (0: none); True when
-        the overload state changed (see :attr:`overloaded`). Updates :attr:`stage`."""
+    def observe(self, load: float, rows: float = 0.0, frames: float = 0.0, sessions: int = 0) -> bool:
+        """A window's projected load, with the mean rows and frames of its realtime steps (0: none) and the
+        realtime sessions open at its end (0: not counted, taken as ``rows``); True when the overload state
+        changed (see :attr:`overloaded`). Updates :attr:`stage`."""
         now = self._clock()
-        self._recent.append((load, rows, frames))
+        self._recent.append((load, rows, frames, sessions))
         over = load >= self.limit
         if over != self._over:
             self._over, self._since = over, now
