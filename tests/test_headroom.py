@@ -91,6 +91,16 @@ def test_sessions_admitted_since_the_windows_are_priced_before_their_speech_reac
     assert steps.projected(60, cost) == pytest.approx(0.5 * 32 / 21)  # (ceil(30.5) rows)
 
 
+def test_the_work_around_the_steps_is_priced_per_session_and_the_steps_by_their_cost():
+    """Of a 0.6 load, 0.2 was model steps: with twice the sessions (20 rows) the steps cost 21/11 as much, the rest
+    (IPC, queues, results: per frame) twice as much."""
+    headroom = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    for _ in range(4):
+        headroom.observe(0.6, rows=10, frames=1, sessions=10, compute=0.2)
+    assert headroom.projected(19, line_cost(1.0, 1.0)) == pytest.approx(0.2 * 21 / 11 + 0.4 * 20 / 10)
+    assert headroom.projected(10, line_cost(1.0, 1.0)) == pytest.approx(0.2 * 12 / 11 + 0.4 * 11 / 10)
+
+
 def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_as_long():
     clock = FakeClock()
     headroom = Headroom(0.9, window_s=1.0, clock=clock)

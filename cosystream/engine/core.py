@@ -221,7 +221,10 @@ class EngineCore:
             metrics.set_fallback(heavy, False)  # (the series exists from start-up)
         self.headroom = Headroom(config.admit_load, config.overload_window_s, clock)
         self.report: LoadReport | None = None  # the last window's, for the frontends (ACTIVE)
-        self._realtime_steps = (0, 0, 0)  # this load window's realtime steps: (steps, rows, frames) summed
+        # This load window's realtime steps: (steps, rows, frames, compute seconds) summed; and its busy time
+        # (what the adaptive policy was fed: the load's numerator).
+        self._realtime_steps = (0, 0, 0, 0.0)
+        self._window_busy_s = 0.0
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
@@ -410,7 +413,9 @@ class EngineCore:
         switch, sessions between utterances move at once, the others at their next utterance."""
         policy = self.adaptive
         windows = policy.windows
-        policy.add(busy_s - self._batch_s + self._projection_s)
+        realtime_busy_s = busy_s - self._batch_s + self._projection_s
+        policy.add(realtime_busy_s)
+        self._window_busy_s += realtime_busy_s
         self._batch_s = self._projection_s = 0.0
         switch = policy.update()
         if policy.windows != windows:
@@ -432,13 +437,13 @@ class EngineCore:
 
     def _observe_window(self, load: float) -> None:
         """A load window ended: the overload state, the metrics and the frontends' report."""
-        steps, rows, frames = self._realtime_steps
-        self._realtime_steps = (0, 0, 0)
+        steps, rows, frames, compute_s = self._realtime_steps
+        busy_s, self._realtime_steps, self._window_busy_s = self._window_busy_s, (0, 0, 0, 0.0), 0.0
         stage = self.headroom.stage
         counts = self.active_sessions()
-        if self.headroom.observe(
-            load, rows / steps if steps else 0.0, frames / steps if steps else 0.0, counts["realtime"]
-        ):
+        mean_rows, mean_frames = (rows / steps, frames / steps) if steps else (0.0, 0.0)
+        compute = load * min(1.0, compute_s / busy_s) if busy_s > 0 else load  # (the load's model steps)
+        if self.headroom.observe(load, mean_rows, mean_frames, counts["realtime"], compute):
             limit = self.headroom.limit
             if self.headroom.overloaded:
                 log.warning(
@@ -562,8 +567,8 @@ class EngineCore:
         if plan.priority is Priority.BATCH:
             self._batch_s += compute_s
         else:
-            steps, rows, frames = self._realtime_steps
-            self._realtime_steps = (steps + 1, rows + plan.rows, frames + plan.frames)
+            steps, rows, frames, rt_compute_s = self._realtime_steps
+            self._realtime_steps = (steps + 1, rows + plan.rows, frames + plan.frames, rt_compute_s + compute_s)
             if self._fallbacks:
                 self._project(plan, compute_s)
         return plan

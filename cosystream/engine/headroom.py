@@ -4,12 +4,14 @@ to step it in time, not merely while a slot is free.
 The signal is the engine's **projected realtime load** (``engine/adaptive.py``: the share of wall time its
 loop is busy with realtime work, BATCH steps left out), averaged over the last :data:`RECENT_WINDOWS` windows
 (2 s) so that one slow window (a collection, a model load beside the loop) does not close the door. What one
-more session would add comes from the scheduler's **step cost model** (the measured time of a step per row
-bucket and frames, ``Scheduler.estimate_cost_s``), not from a share per session: a batched step costs little
-more for one more row, so the load is scaled by ``cost(rows') / cost(rows)``, ``rows`` the mean rows of the
-windows' realtime steps and ``rows' = rows x (open + 1) / sessions`` the rows of a step once each of the
-``open`` sessions (and the new one) brings its share, ``sessions`` the realtime sessions open during the
-windows. So a ramp of arrivals is priced as it is admitted, before their speech reaches the measured load,
+more session would add is priced in two parts. The load's **model steps** (their measured compute time) grow
+as the scheduler's **step cost model** says (the measured time of a step per row bucket and frames,
+``Scheduler.estimate_cost_s``): a batched step costs little more for one more row, so that part is scaled by
+``cost(rows') / cost(rows)``, ``rows`` the mean rows of the windows' realtime steps and ``rows' = rows x
+(open + 1) / sessions`` the rows of a step once each of the ``open`` sessions (and the new one) brings its
+share, ``sessions`` the realtime sessions open during the windows. The **rest** of the load (each frame's own
+work around the steps: IPC, queueing, results), which no batching makes cheaper, grows as ``(open + 1) /
+sessions``. So a ramp of arrivals is priced as it is admitted, before their speech reaches the measured load,
 and after a burst of calls has ended the load of those calls is not charged to the sessions left. A new
 REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when that projection
 would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`). Before the cost model has measured
@@ -102,8 +104,8 @@ class Headroom:
         self.window_s = window_s
         self._clock = clock
         # Per window: (load, mean rows, mean frames of its realtime steps, 0 and 0 without any; the realtime
-        # sessions open at its end).
-        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=RECENT_WINDOWS)
+        # sessions open at its end; the part of the load that was model steps).
+        self._recent: deque[tuple[float, float, float, float, float]] = deque(maxlen=RECENT_WINDOWS)
         self.overloaded = False
         self._since = clock()  # when the load last crossed the limit
         self._over = False  # the last window's load was at or over the limit
@@ -124,27 +126,34 @@ class Headroom:
         realtime step in the last windows).
 
         The windows' steps had ``rows`` rows on average while ``sessions`` were open; with ``realtime + 1``
-        open, each session bringing its share, a step has ``rows x (realtime + 1) / sessions`` rows, and the
-        load grows as the cost of such a step over the cost of the steps measured. So sessions admitted since
-        the windows (a ramp of arrivals, whose speech has not reached the load yet) are priced in, and those
-        that have ended since are not."""
-        stepped = [(rows, frames, sessions) for _, rows, frames, sessions in self._recent if rows]
+        open, each session bringing its share, a step has ``rows x (realtime + 1) / sessions`` rows. The part
+        of the load that was model steps grows as the cost of such a step over the cost of the steps measured
+        (a batched step costs little more for more rows); the rest (each frame's own work: receiving it,
+        queueing it, sending its result) grows with the sessions. So sessions admitted since the windows (a
+        ramp of arrivals, whose speech has not reached the load yet) are priced in, and those that have ended
+        since are not."""
+        stepped = [(rows, frames, sessions) for _, rows, frames, sessions, _ in self._recent if rows]
         if not stepped:
             return None
         rows = max(1, round(sum(r for r, _, _ in stepped) / len(stepped)))
         frames = max(1, round(sum(f for _, f, _ in stepped) / len(stepped)))
         sessions = sum(s or r for r, _, s in stepped) / len(stepped)  # (not counted: as many as rows)
-        target = rows * (realtime + 1) / max(1.0, sessions)
+        more_sessions = (realtime + 1) / max(1.0, sessions)
+        target = rows * more_sessions
         now, more = (math.inf, math.inf) if cost is None else (cost(rows, frames), cost(math.ceil(target), frames))
-        growth = more / now if 0 < now < math.inf and more < math.inf else target / rows  # (linear: cautious)
-        return self.recent * growth
+        growth = more / now if 0 < now < math.inf and more < math.inf else more_sessions  # (linear: cautious)
+        compute = sum(window[4] for window in self._recent) / len(self._recent)
+        return compute * growth + (self.recent - compute) * more_sessions
 
-    def observe(self, load: float, rows: float = 0.0, frames: float = 0.0, sessions: int = 0) -> bool:
-        """A window's projected load, with the mean rows and frames of its realtime steps (0: none) and the
-        realtime sessions open at its end (0: not counted, taken as ``rows``); True when the overload state
-        changed (see :attr:`overloaded`). Updates :attr:`stage`."""
+    def observe(
+        self, load: float, rows: float = 0.0, frames: float = 0.0, sessions: int = 0, compute: float | None = None
+    ) -> bool:
+        """A window's projected load, with the mean rows and frames of its realtime steps (0: none), the
+        realtime sessions open at its end (0: not counted, taken as ``rows``) and the part of ``load`` that
+        was model steps (None: all of it); True when the overload state changed (see :attr:`overloaded`).
+        Updates :attr:`stage`."""
         now = self._clock()
-        self._recent.append((load, rows, frames, sessions))
+        self._recent.append((load, rows, frames, sessions, load if compute is None else min(compute, load)))
         over = load >= self.limit
         if over != self._over:
             self._over, self._since = over, now
