@@ -157,6 +157,7 @@ REJECT_REASONS = (
     "quota",
     "usage_quota",
     "resume_not_found",
+    "resume_refused",
 )
 
 

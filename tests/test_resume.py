@@ -6,6 +6,8 @@ that resets its connections mid-utterance, and grpcio's own client."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import signal
 import threading
 import time
 
@@ -17,6 +19,7 @@ from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.servicer import StreamOptions
+from cosystream.server.snapshot import Snapshot, SnapshotError
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.resume import DEFAULT_RESUME, ResumableStream, ResumePolicy
@@ -30,7 +33,9 @@ CHUNK = 3200  # 100 ms of 16 kHz LINEAR16
 @pytest.fixture(scope="module")
 def server():
     frontend = FrontendConfig(
-        host="127.0.0.1", port=0, stream=StreamOptions(idle_timeout_s=10.0, resume_window_s=WINDOW_S)
+        host="127.0.0.1",
+        port=0,
+        stream=StreamOptions(idle_timeout_s=10.0, resume_window_s=WINDOW_S, resume_key=b"k" * 32),
     )
     with LocalServer(frontend_config=frontend, engine=EngineConfig(max_sessions=4, max_batch=4)) as srv:
         yield srv
@@ -54,10 +59,14 @@ def config(**fields) -> pb.StreamingRecognizeRequest:
     )
 
 
-def active(server) -> int:
+def server_info(server) -> pb.ServerInfo:
     channel, stub = stub_for(server.port)
     with channel:
-        return stub.GetServerInfo(pb.GetServerInfoRequest()).active_sessions
+        return stub.GetServerInfo(pb.GetServerInfoRequest())
+
+
+def active(server) -> int:
+    return server_info(server).active_sessions
 
 
 def wait_active(server, expected: int, timeout_s: float = 10.0) -> None:
@@ -356,3 +365,101 @@ def test_a_resume_that_lands_on_another_frontend_is_passed_to_the_one_holding_th
         # (each resume lands on the holder with 1/3 odds: all eight doing so, 1 in 6561)
         assert served.metric("cosystream_resumes_forwarded_total") >= 1
         served.wait(lambda: served.info().active_sessions == 0, 10, "the session freed")
+
+
+# --- across servers: snapshots (serve --resume-key-file) ----------------------------------------------------
+
+KEY = b"k" * 32
+
+
+def test_a_snapshot_is_sealed_and_checked():
+    snapshot = Snapshot(b"cfg", "default", "1", 16000, 100, 2, 7, "alice", expires_s=time.time() + 30)
+    blob = snapshot.seal(KEY)
+    assert Snapshot.open(blob, KEY) == snapshot
+    with pytest.raises(SnapshotError) as caught:
+        Snapshot.open(blob.replace(b'"frame":100', b'"frame":900'), KEY)
+    assert caught.value.tampered
+    with pytest.raises(SnapshotError) as caught:
+        Snapshot.open(blob, b"x" * 32)  # another key
+    assert caught.value.tampered
+    with pytest.raises(SnapshotError, match="expired") as caught:
+        Snapshot.open(blob, KEY, now_s=time.time() + 60)
+    assert not caught.value.tampered
+
+
+def refused(port: int, request: pb.StreamingRecognizeRequest) -> grpc.RpcError:
+    channel, stub = stub_for(port)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        list(stub.StreamingRecognize(iter([request]), timeout=10))
+    return caught.value
+
+
+def test_a_snapshot_that_cannot_be_used_is_refused_with_the_reason(server):
+    wire = pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000, resumable=True).SerializeToString()
+    model = next(m for m in server_info(server).models if m.is_default)
+    good = Snapshot(wire, model.name, model.version, 16000, 100, 0, 3, None, expires_s=time.time() + 30)
+
+    def resume(snapshot_blob: bytes, offset: int = 16000):
+        return config(resume_snapshot=snapshot_blob, resume_offset_samples=offset)
+
+    err = refused(server.port, resume(good.seal(KEY)[:-4] + b"AAAA"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "changed" in err.details()
+    other = dataclasses.replace(good, model_version=model.version + "-other")
+    err = refused(server.port, resume(other.seal(KEY)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "version" in err.details()
+    err = refused(server.port, resume(dataclasses.replace(good, token="alice").seal(KEY)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "token" in err.details()
+    err = refused(server.port, resume(good.seal(KEY), offset=16001))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "16000" in err.details()
+    # A good one goes on: its responses numbered from the snapshot's, its times from its frame (1 s).
+    channel, stub = stub_for(server.port)
+    with channel:
+        audio = encode(np.concatenate([silence(0.3), speech(SENTENCES[0]), silence(0.8)]), "LINEAR16")
+        requests = [
+            resume(good.seal(KEY)),
+            *(pb.StreamingRecognizeRequest(audio=audio[i : i + CHUNK]) for i in range(0, len(audio), CHUNK)),
+        ]
+        responses = list(stub.StreamingRecognize(iter(requests), timeout=30))
+    assert responses[0].response_index == 4
+    final = next(r for response in responses for r in response.results if r.is_final)
+    assert final.transcript and final.utterance_index == 0 and final.start_ms >= 1000
+    wait_active(server, 0)
+
+
+@needs_espeak
+def test_a_drain_hands_a_resumable_session_over_to_another_server_at_an_utterance_boundary(tmp_path):
+    """Two servers sharing a key, a proxy in front (a load balancer): server A drains mid-stream, hands the
+    session over as a snapshot at its next utterance boundary, and the client goes on on server B. The
+    finals are those of an uncut stream, each once, the response indexes unbroken."""
+    key = tmp_path / "resume.key"
+    key.write_bytes(KEY)
+    parts = []
+    for sentence in [*SENTENCES, SENTENCES[0]]:
+        parts += [speech(sentence), silence(1.0)]
+    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    flags = ("--frontends", "1", "--resume-key-file", str(key), "--drain-grace-s", "20")
+    with Served(*flags) as a, Served(*flags) as b:
+        whole, _ = asyncio.run(recognize(b.port, paced(audio)))
+        proxy = CuttingProxy(a.port)
+
+        class Balancer:
+            def cut(self):  # (once the server has consumed 1.5 s: inside the first sentence)
+                proxy.target_port = b.port  # new connections to B from now on, as a balancer would
+                a.process.send_signal(signal.SIGTERM)
+
+        try:
+            handed, stream = asyncio.run(
+                recognize(proxy.port, paced(audio, pause_s=0.05), cut_at=[24000], proxy=Balancer())
+            )
+        finally:
+            proxy.close()
+        assert a.process.wait(timeout=30) == 0
+        assert stream.resumes == 1 and stream.snapshot == b""
+        assert finals(handed) == finals(whole) and len(finals(whole)) == 3
+        indexes = [response.response_index for response in handed]
+        assert indexes == list(range(1, len(indexes) + 1)), "every response once, in order"
+        snapshots = [response for response in handed if response.resume_snapshot]
+        assert len(snapshots) == 1 and not snapshots[0].results
+        assert [r.utterance_index for response in handed for r in response.results if r.is_final] == [0, 1, 2]
+        assert any("handed over at frame" in line for line in a.log)
+        b.wait(lambda: b.info().active_sessions == 0, 10, "the session freed")

@@ -518,6 +518,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and state for its client to resume it (default: 30)",
     )
     serve.add_argument(
+        "--resume-key-file",
+        metavar="FILE",
+        help="a key shared by the replicas (32 bytes or more): at a drain, each resumable session is handed over "
+        "at its next utterance boundary as a signed snapshot another replica with the same key and model "
+        "version goes on from (docs/RELIABILITY.md)",
+    )
+    serve.add_argument(
         "--realtime-burst-s",
         type=float,
         default=None,
@@ -866,6 +873,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.http import HttpConfig
     from cosystream.server.servicer import StreamOptions
+    from cosystream.server.snapshot import read_key
 
     return FrontendConfig(
         **given(
@@ -897,6 +905,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
         stream=StreamOptions(
             **given(idle_timeout_s=args.idle_timeout_s, realtime_burst_s=args.realtime_burst_s),
             **given(resume_window_s=args.resume_window_s),
+            resume_key=read_key(args.resume_key_file) if args.resume_key_file else None,
             **given(admit_lag_s=None if args.admit_lag_ms is None else args.admit_lag_ms / 1000),
             default_endpointing=endpointing,
             frontends=args.frontends,

@@ -138,14 +138,16 @@ class Endpointer:
         "config",
     )
 
-    def __init__(self, config: EndpointingConfig | None = None) -> None:
+    def __init__(self, config: EndpointingConfig | None = None, first_frame: int = 0) -> None:
+        """``first_frame``: the index of the first frame fed (a session resumed from a snapshot goes on in its
+        stream's timeline; nothing before it is forwarded)."""
         self.config = config or EndpointingConfig()
         self._silence_frames = self.config.silence_ms // FRAME_MS
         self._max_frames = self.config.max_utterance_ms // FRAME_MS
         self._preroll_frames = self.config.preroll_ms // FRAME_MS
         self._start_frames = self.config.speech_start_ms // FRAME_MS
-        self._frame = 0  # index of the next frame fed
-        self._next_unforwarded = 0
+        self._frame = first_frame  # index of the next frame fed
+        self._next_unforwarded = first_frame
         self._speech_run = 0
         self._silence_run = 0
         self._in_utterance = False
@@ -164,6 +166,17 @@ class Endpointer:
     @property
     def frames_seen(self) -> int:
         return self._frame
+
+    @property
+    def between_utterances(self) -> bool:
+        """No utterance open and no speech run begun: a new endpointer started here decides the same."""
+        return not self._in_utterance and self._speech_run == 0
+
+    @property
+    def resume_frame(self) -> int:
+        """The first frame a new endpointer must be fed to go on as this one would from here (between
+        utterances): a pre-roll back, but nothing this one has forwarded already."""
+        return max(self._next_unforwarded, self._frame - self._preroll_frames)
 
     def feed(self, is_speech: bool) -> Decision:
         """Advance one frame and say what to do with it."""

@@ -54,6 +54,7 @@ from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.retry import retry_metadata
 from cosystream.server.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
+from cosystream.server.snapshot import Snapshot, SnapshotError
 from cosystream.server.tracing import TracingConfig, UtteranceTracer
 from cosystream.server.usage import Lease, UsageExceeded
 from cosystream.v1 import cosystream_pb2 as pb
@@ -87,6 +88,11 @@ RESUME_PROGRESS_S = 1.0
 """A resumable stream gets a response at least every this much of its audio consumed (one with no results
 during silence), so its client need keep only about that much audio for a resume."""
 
+HANDED_OVER = (
+    "the server is draining: this session goes on on another server from the resume_snapshot sent "
+    "(StreamingConfig.resume_snapshot, with the audio from its consumed_samples)"
+)
+
 RESUMABLE = {AudioEncoding.LINEAR16: 2, AudioEncoding.MULAW: 1, AudioEncoding.ALAW: 1}  # bytes per sample
 
 
@@ -118,6 +124,9 @@ class StreamOptions:
     # landed on another frontend is passed to the one holding its session; and this frontend's index.
     peers: tuple[str, ...] = ()
     frontend_index: int = 0
+    # The key replicas share to sign session snapshots (serve --resume-key-file; snapshot.py): a drain hands
+    # resumable sessions over to another replica, and Control.SNAPSHOT asks for it. None: neither.
+    resume_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.admit_lag_s < math.inf:
@@ -247,7 +256,17 @@ def validate_config(
         vocabulary=config.vocabulary,
         hotwords=", ".join(hotwords),
         resumable=config.resumable,
+        wire=_wire(config) if config.resumable else b"",
     )
+
+
+def _wire(config: pb.StreamingConfig) -> bytes:
+    """``config`` as a snapshot carries it: without the fields that resumed it."""
+    wire = pb.StreamingConfig()
+    wire.CopyFrom(config)
+    for name in ("resume_token", "resume_offset_samples", "resume_after_response", "resume_snapshot"):
+        wire.ClearField(name)
+    return wire.SerializeToString()
 
 
 def load_status(loads: list[LoadReport | None], lag_s: float = 0.0) -> pb.LoadStatus:
@@ -300,6 +319,14 @@ class _Abort:
 
 
 _DONE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Handoff:
+    """Queued at a session's utterance boundary when it is handed over: sent as its snapshot."""
+
+    frame: int
+    utterances: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,9 +456,10 @@ class _Stream:
         # sent (numbered, the last RESUME_REPLAY kept), and while no connection holds it, the expiry timer.
         self.resume_token = servicer.new_resume_token() if config.resumable else ""
         self.bytes_per_sample = RESUMABLE.get(config.encoding, 1)
-        self.consumed_bytes = 0
-        self.skip_bytes = 0  # (a resumed connection's audio the session already has)
-        self.response_index = 0
+        # (a session resumed from a snapshot goes on from its offset, its responses numbered on from it)
+        self.consumed_bytes = config.first_frame * config.sample_rate_hz // 100 * self.bytes_per_sample
+        self.skip_bytes = config.skip_samples * self.bytes_per_sample  # (audio the session already has)
+        self.response_index = config.first_response
         self.reported_samples = 0  # consumed_samples as of the last response sent
         self.progress_samples = int(RESUME_PROGRESS_S * config.sample_rate_hz)
         self.sent: deque[tuple[int, pb.StreamingRecognizeResponse]] = deque(maxlen=RESUME_REPLAY)
@@ -440,6 +468,9 @@ class _Stream:
         self.replay: list[pb.StreamingRecognizeResponse] = []  # (a resume's responses to send again)
         self.outcome = "ok"  # how the stream ended, for the log
         self.taking = False  # a resume is taking it from its connection (_TAKEN queued)
+        # Hand the session over at its next utterance boundary (a drain, Control.SNAPSHOT): its snapshot, then
+        # this end (an _Abort, or _DONE: OK).
+        self.handover: object | None = None
         self.context = None  # its connection's gRPC context (start)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -451,12 +482,21 @@ class _Stream:
     def consumed_samples(self) -> int:
         return self.consumed_bytes // self.bytes_per_sample
 
+    @property
+    def resume_samples(self) -> int:
+        """What a resumable stream reports consumed: the input it has, less what a snapshot taken later may
+        start before it (a pre-roll): a client that keeps the audio from here can resume on any server."""
+        frame_samples = self.session.resume_frame * self.session.config.sample_rate_hz // 100
+        return min(self.consumed_samples, frame_samples)
+
     def stamp(self, response: pb.StreamingRecognizeResponse) -> pb.StreamingRecognizeResponse:
         """Number a resumable stream's response, say how much input it has consumed, and keep it to send again."""
         if self.resume_token:
             self.response_index += 1
             response.response_index = self.response_index
-            response.consumed_samples = self.reported_samples = self.consumed_samples
+            if not response.resume_snapshot:  # (a snapshot's says where it resumes)
+                response.consumed_samples = self.resume_samples
+            self.reported_samples = response.consumed_samples
             response.resume_token = self.resume_token
             self.sent.append((self.response_index, response))
         return response
@@ -535,13 +575,66 @@ class _Stream:
             return
         self.session.on_results(ids, logprobs, queue_s, compute_s)
         self.progress.set()
+        if self.handover is not None:
+            self._check_handover()
         self._check_done()
 
     def _second_pass_answered(self) -> None:
         if self.state < StreamState.ENDED:
             self.session.resume()
             self.progress.set()
+            if self.handover is not None:
+                self._check_handover()
             self._check_done()
+
+    # --- handing the session over to another server (snapshot.py) ---
+
+    def hand_over(self, ending: object) -> None:
+        """At the session's next utterance boundary (now, if it is at one), send its snapshot, then end:
+        ``ending`` an :class:`_Abort` (a drain: UNAVAILABLE), or ``_DONE`` (Control.SNAPSHOT: OK)."""
+        if self.state == StreamState.STREAMING and self.handover is None:
+            self.handover = ending
+            self._check_handover()
+
+    def _check_handover(self) -> None:
+        point = self.session.boundary() if self.state == StreamState.STREAMING else None
+        if point is None:
+            return
+        ending, self.handover = self.handover, None
+        self.responses.put(_Handoff(*point))
+        log.info(
+            "session %s: handed over at frame %d (utterance %d next)",
+            self.session_id,
+            *point,
+            extra={"session_id": self.session_id},
+        )
+        if isinstance(ending, _Abort):
+            self.cut(ending.code, ending.message, ending.retry_after_s)
+        else:
+            if self.reader is not None and self.reader is not asyncio.current_task():
+                self.reader.cancel()
+            self.finish()
+
+    def snapshot_response(self, handoff: _Handoff) -> pb.StreamingRecognizeResponse:
+        """The handed-over session's snapshot, sealed as the next response (whose index it knows)."""
+        config = self.session.config
+        token = self.token.name if self.token is not None else None
+        snapshot = Snapshot(
+            config=config.wire,
+            model=self.model_name,
+            model_version=self.session.model_version,
+            offset_samples=handoff.frame * config.sample_rate_hz // 100,
+            frame=handoff.frame,
+            utterances=handoff.utterances,
+            responses=self.response_index + 1,
+            token=token,
+            expires_s=time.time() + self.servicer.options.resume_window_s,
+        )
+        return pb.StreamingRecognizeResponse(
+            session_id=self.session_id,
+            consumed_samples=snapshot.offset_samples,
+            resume_snapshot=snapshot.seal(self.servicer.options.resume_key),
+        )
 
     def on_engine_lost(self) -> None:
         self._fail(grpc.StatusCode.UNAVAILABLE, "the engine process stopped; retry on another server")
@@ -752,14 +845,22 @@ class _Stream:
                                 return
                     if (
                         self.resume_token
-                        and self.consumed_samples - self.reported_samples >= self.progress_samples
+                        and self.resume_samples - self.reported_samples >= self.progress_samples
                         and not len(self.responses)
                     ):  # (no response for a while, silence say: one that only says what was consumed)
                         self.responses.put(pb.StreamingRecognizeResponse(session_id=self.session_id))
-                        self.reported_samples = self.consumed_samples
+                        self.reported_samples = self.resume_samples
                 elif kind == "control":
                     if request.control.type == pb.Control.FINALIZE:
                         session.finalize()
+                    elif request.control.type == pb.Control.SNAPSHOT:
+                        if not self.resume_token or self.servicer.options.resume_key is None:
+                            self._fail(
+                                grpc.StatusCode.FAILED_PRECONDITION,
+                                "Control.SNAPSHOT needs a resumable stream on a server with --resume-key-file",
+                            )
+                            return
+                        self.hand_over(_DONE)
                     else:
                         self._fail(
                             grpc.StatusCode.INVALID_ARGUMENT, f"unknown control type {request.control.type}"
@@ -771,8 +872,10 @@ class _Stream:
                 else:
                     self._fail(grpc.StatusCode.INVALID_ARGUMENT, "empty request: set config, audio or control")
                     return
-                if self.state >= StreamState.ENDED:
-                    return
+                if self.handover is not None:
+                    self._check_handover()
+                if self.state != StreamState.STREAMING:
+                    return  # (ended, or handed over)
             self.finish()
         except asyncio.CancelledError:
             raise
@@ -899,9 +1002,11 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             return await self._take(first.config)
         if self.draining:
             raise _draining()
+        snapshot = self._open_snapshot(first.config) if first.config.resume_snapshot else None
+        wanted = first.config if snapshot is None else pb.StreamingConfig.FromString(snapshot.config)
         try:
             config = validate_config(
-                first.config,
+                wanted,
                 self.info,
                 self.options.default_endpointing,
                 self.second_pass is not None,
@@ -909,6 +1014,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             )
         except ConfigError as err:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        if snapshot is not None:
+            config = self._resumed_from(snapshot, config, first.config.resume_offset_samples)
         if config.phrases or config.vocabulary:
             factory = self.models.decoder(self.info.models[config.model])
             vocabulary = self.vocabulary(config.vocabulary)
@@ -1004,6 +1111,8 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
                             context, _Abort(grpc.StatusCode.CANCELLED, "the session was resumed elsewhere")
                         )
                     continue
+                if isinstance(item, _Handoff):
+                    item = stream.snapshot_response(item)
                 if isinstance(item, _Abort):
                     stream.outcome = item.code.name
                     # The status, also as a last response (some clients can lose the status itself).
@@ -1059,6 +1168,56 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
             stream.release()
             self._streams.discard(stream)
             log.info("session %s closed: %s", stream.session_id, why, extra={"session_id": stream.session_id})
+
+    def _open_snapshot(self, config: pb.StreamingConfig) -> Snapshot:
+        """The snapshot a resume from another server brings, checked; raises :class:`_Refused` saying why
+        it cannot be used here."""
+        if self.options.resume_key is None:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "resume_snapshot: this server has no --resume-key-file (it cannot check a snapshot); open a new "
+                "stream, or resume on a server that shares the key",
+                "resume_refused",
+            )
+        try:
+            snapshot = Snapshot.open(config.resume_snapshot, self.options.resume_key)
+        except SnapshotError as err:
+            code = grpc.StatusCode.INVALID_ARGUMENT if err.tampered else grpc.StatusCode.FAILED_PRECONDITION
+            raise _Refused(code, str(err), "resume_refused") from None
+        caller = current_token()
+        if snapshot.token != (caller.name if caller is not None else None):
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "resume_snapshot: the session was opened with another token; resume it with that token",
+                "resume_refused",
+            )
+        return snapshot
+
+    def _resumed_from(self, snapshot: Snapshot, config: SessionConfig, offset: int) -> SessionConfig:
+        """``config`` (the snapshot's, validated here) going on where the snapshot says."""
+        model = self.info.models[config.model]
+        if (model.name, model.version) != (snapshot.model, snapshot.model_version):
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"resume_snapshot: the session ran {snapshot.model} version {snapshot.model_version}; this server "
+                f"serves {model.name} version {model.version}: open a new stream",
+                "resume_refused",
+            )
+        if not 0 <= offset <= snapshot.offset_samples:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"resume_offset_samples={offset}: the snapshot goes on from sample {snapshot.offset_samples}; send "
+                "the audio from there (or earlier)",
+                "resume_refused",
+            )
+        self.metrics.resumed()
+        return dataclasses.replace(
+            config,
+            first_frame=snapshot.frame,
+            first_utterance=snapshot.utterances,
+            first_response=snapshot.responses,
+            skip_samples=snapshot.offset_samples - offset,
+        )
 
     async def _take(self, config: pb.StreamingConfig) -> _Stream:
         """The held session ``config.resume_token`` names, attached to the calling connection (its old one, if
@@ -1184,6 +1343,10 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
         """Refuse new streams; serve the open ones for ``grace_s``; then cut those still open (their final
         for the audio received, then UNAVAILABLE) and wait up to ``final_wait_s`` for those finals."""
         self.draining = True
+        if self.options.resume_key is not None:  # (handed over at their next utterance boundary)
+            for stream in list(self._streams):
+                if stream.resume_token and not stream.detached.is_set():
+                    stream.hand_over(_Abort(grpc.StatusCode.UNAVAILABLE, HANDED_OVER))
         ended = await self._streams_ended_within(grace_s)
         self._expire_held("the server drained")
         if ended:

@@ -64,6 +64,14 @@ class SessionConfig:
     hotwords: str = ""  # the phrases as sent, for the second pass's prompt
     boosting: object = None  # what the phrases made for the session's model (decoding.phrases.Boosting)
     resumable: bool = False  # held for the resume window when its connection drops (StreamingConfig.resumable)
+    # Where a session resumed from another server's snapshot (server/snapshot.py) goes on: the frame its first
+    # audio is in the stream's timeline, the next utterance's index, the responses already sent, and the input
+    # samples of the resumed audio the snapshot's offset says to skip. All 0 for a new session.
+    first_frame: int = 0
+    first_utterance: int = 0
+    first_response: int = 0
+    skip_samples: int = 0
+    wire: bytes = b""  # a resumable stream's StreamingConfig as sent (its resume fields cleared), for a snapshot
 
 
 REALTIME_BURST_S = 2.0
@@ -204,7 +212,7 @@ class Session:
         self._audio = open_stream_audio(config.encoding, config.sample_rate_hz)
         self._framer = Framer()
         self._vad = Vad(config.endpointing.vad_aggressiveness, int16_levels=self._audio.int16_levels)
-        self._endpointer = Endpointer(config.endpointing)
+        self._endpointer = Endpointer(config.endpointing, config.first_frame)
         self._ring = FrameRing(max(1, self._endpointer.max_forward_frames))
         self._interim_backlog_frames = self._endpointer.max_forward_frames + 5
         self._ctc = decoder
@@ -214,7 +222,7 @@ class Session:
         self.audio_samples = 0  # over the stream: samples received, at 16 kHz (what usage quotas count)
         self.audio_error = ""  # why the end of a compressed stream did not decode (the stream is not OK)
         self._utterance: _Utterance | None = None
-        self._utterances = 0
+        self._utterances = config.first_utterance
         self._arrivals: deque[tuple[int, float]] = deque()  # (frames sent up to, receive time) per send
         self._audio_frames_sent = 0  # over the stream: frames of audio sent to the engine
         self._pad_frames_sent = 0  # and frames of end-of-utterance silence (kept <= the audio)
@@ -270,6 +278,20 @@ class Session:
             self._frames(self._framer.flush_padded(), now)
         self._decide(self._endpointer.finalize(), now)
         self._pump()
+
+    @property
+    def resume_frame(self) -> int:
+        """A frame a new session could start from, if a later snapshot were taken: the audio before it is no
+        longer needed by any resume (it only grows)."""
+        return self._endpointer.resume_frame
+
+    def boundary(self) -> tuple[int, int] | None:
+        """Where a snapshot of this session may be taken now (``server/snapshot.py``): the frame a session on
+        another server starts from to decide as this one would, and the next utterance's index; None while an
+        utterance is under way (or a speech run begins) or a final is still to be sent."""
+        if not self.done or not self._endpointer.between_utterances:
+            return None
+        return self._endpointer.resume_frame, self._utterances
 
     @property
     def backlog_frames(self) -> int:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63osystream/v1/cosystream.proto\x12\rcosystream.v1\"A\n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\"k\n\x11LoadModelResponse\x12\'\n\x05model\x18\x01 \x01(\x0b\x32\x18.cosystream.v1.ModelInfo\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\x12\x17\n\x0finstall_seconds\x18\x03 \x01(\x01\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"\x94\x01\n\x19StreamingRecognizeRequest\x12\x30\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1e.cosystream.v1.StreamingConfigH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12)\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x16.cosystream.v1.ControlH\x00\x42\t\n\x07request\"\xfc\x03\n\x0fStreamingConfig\x12.\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x1c.cosystream.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\x12)\n\x08priority\x18\x03 \x01(\x0e\x32\x17.cosystream.v1.Priority\x12\x17\n\x0finterim_results\x18\x04 \x01(\x08\x12\x35\n\x0b\x65ndpointing\x18\x05 \x01(\x0b\x32 .cosystream.v1.EndpointingConfig\x12\r\n\x05model\x18\x06 \x01(\t\x12 \n\x18\x65nable_word_time_offsets\x18\x07 \x01(\x08\x12\x12\n\nfinal_pass\x18\x08 \x01(\t\x12$\n\x1c\x65nable_automatic_punctuation\x18\t \x01(\x08\x12\x18\n\x10max_alternatives\x18\n \x01(\x05\x12&\n\x07phrases\x18\x0b \x03(\x0b\x32\x15.cosystream.v1.Phrase\x12\x12\n\nvocabulary\x18\x0c \x01(\t\x12\x11\n\tresumable\x18\r \x01(\x08\x12\x14\n\x0cresume_token\x18\x0e \x01(\t\x12\x1d\n\x15resume_offset_samples\x18\x0f \x01(\x03\x12\x1d\n\x15resume_after_response\x18\x10 \x01(\x04\"%\n\x06Phrase\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x62oost\x18\x02 \x01(\x02\"]\n\x11\x45ndpointingConfig\x12\x12\n\nsilence_ms\x18\x01 \x01(\x05\x12\x18\n\x10max_utterance_ms\x18\x02 \x01(\x05\x12\x1a\n\x12vad_aggressiveness\x18\x03 \x01(\x05\"`\n\x07\x43ontrol\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.cosystream.v1.Control.Type\"*\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x46INALIZE\x10\x01\"\xaf\x02\n\x1aStreamingRecognizeResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.cosystream.v1.StreamingResult\x12\x30\n\x0cspeech_event\x18\x02 \x01(\x0b\x32\x1a.cosystream.v1.SpeechEvent\x12\'\n\x07latency\x18\x03 \x01(\x0b\x32\x16.cosystream.v1.Latency\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12)\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1a.cosystream.v1.StreamError\x12\x16\n\x0eresponse_index\x18\x06 \x01(\x04\x12\x18\n\x10\x63onsumed_samples\x18\x07 \x01(\x03\x12\x14\n\x0cresume_token\x18\x08 \x01(\t\"D\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_delay_ms\x18\x03 \x01(\x03\"\xad\x02\n\x0fStreamingResult\x12\x12\n\ntranscript\x18\x01 \x01(\t\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x11\n\tstability\x18\x03 \x01(\x02\x12\x10\n\x08start_ms\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x05 \x01(\x03\x12&\n\x05words\x18\x06 \x03(\x0b\x32\x17.cosystream.v1.WordInfo\x12\x17\n\x0futterance_index\x18\x07 \x01(\x05\x12\x12\n\nconfidence\x18\x08 \x01(\x02\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x12\n\nfinal_pass\x18\x0b \x01(\t\x12\x30\n\x0c\x61lternatives\x18\x0c \x03(\x0b\x32\x1a.cosystream.v1.Alternative\"]\n\x0b\x41lternative\x12\x12\n\ntranscript\x18\x01 \x01(\t\x12\x12\n\nconfidence\x18\x02 \x01(\x02\x12&\n\x05words\x18\x03 \x03(\x0b\x32\x17.cosystream.v1.WordInfo\"N\n\x08WordInfo\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x10\n\x08start_ms\x18\x02 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x03 \x01(\x03\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"\x93\x01\n\x0bSpeechEvent\x12-\n\x04type\x18\x01 \x01(\x0e\x32\x1f.cosystream.v1.SpeechEvent.Type\x12\x11\n\toffset_ms\x18\x02 \x01(\x03\"B\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSPEECH_STARTED\x10\x01\x12\x10\n\x0cSPEECH_ENDED\x10\x02\"g\n\x07Latency\x12\x1a\n\x12\x61udio_processed_ms\x18\x01 \x01(\x03\x12\x10\n\x08queue_ms\x18\x02 \x01(\x02\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x1a\n\x12receive_to_send_ms\x18\x04 \x01(\x02\"\x16\n\x14GetServerInfoRequest\"\xe2\x03\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12(\n\x06models\x18\x02 \x03(\x0b\x32\x18.cosystream.v1.ModelInfo\x12/\n\tencodings\x18\x03 \x03(\x0e\x32\x1c.cosystream.v1.AudioEncoding\x12\x1a\n\x12min_sample_rate_hz\x18\x04 \x01(\x05\x12\x1a\n\x12max_sample_rate_hz\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12=\n\x13\x64\x65\x66\x61ult_endpointing\x18\t \x01(\x0b\x32 .cosystream.v1.EndpointingConfig\x12\x11\n\tfrontends\x18\n \x01(\x05\x12\x1d\n\x15loaded_model_versions\x18\x0b \x01(\x05\x12,\n\x07\x65ngines\x18\x0c \x03(\x0b\x32\x1b.cosystream.v1.EngineStatus\x12\x13\n\x0b\x66inal_model\x18\r \x01(\t\x12\x14\n\x0cvocabularies\x18\x0e \x03(\t\x12\'\n\x04load\x18\x0f \x01(\x0b\x32\x19.cosystream.v1.LoadStatus\"\xef\x01\n\nLoadStatus\x12\x13\n\x0b\x65ngine_load\x18\x01 \x01(\x02\x12\x19\n\x11realtime_sessions\x18\x02 \x01(\x05\x12\x16\n\x0e\x62\x61tch_sessions\x18\x03 \x01(\x05\x12\x12\n\nfree_slots\x18\x04 \x01(\x05\x12\x15\n\rqueued_frames\x18\x05 \x01(\x05\x12\x12\n\noverloaded\x18\x06 \x01(\x08\x12\x12\n\nadmit_load\x18\x07 \x01(\x02\x12\x18\n\x10refused_for_load\x18\x08 \x01(\x03\x12\x17\n\x0f\x66rontend_lag_ms\x18\t \x01(\x02\x12\x13\n\x0b\x64\x65gradation\x18\n \x01(\t\"\x8f\x01\n\x0c\x45ngineStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12\x0c\n\x04load\x18\x06 \x01(\x02\x12\x12\n\noverloaded\x18\x07 \x01(\x08\"\xe7\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x12\x10\n\x08\x66rame_ms\x18\x04 \x01(\x05\x12\x12\n\nparameters\x18\x05 \x01(\x03\x12\x12\n\nvocabulary\x18\x06 \x03(\t\x12\x12\n\nis_default\x18\x07 \x01(\x08\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x17\n\x0fvocabulary_kind\x18\t \x01(\t\x12\x17\n\x0foutput_delay_ms\x18\n \x01(\x05\x12\x11\n\tprecision\x18\x0b \x01(\t*y\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x0c\n\x08LINEAR16\x10\x01\x12\t\n\x05MULAW\x10\x02\x12\x08\n\x04\x41LAW\x10\x03\x12\x0c\n\x08OGG_OPUS\x10\x04\x12\x08\n\x04\x46LAC\x10\x05\x12\r\n\tWEBM_OPUS\x10\x06*=\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0c\n\x08REALTIME\x10\x01\x12\t\n\x05\x42\x41TCH\x10\x02\x32\xcc\x01\n\nCosyStream\x12m\n\x12StreamingRecognize\x12(.cosystream.v1.StreamingRecognizeRequest\x1a).cosystream.v1.StreamingRecognizeResponse(\x01\x30\x01\x12O\n\rGetServerInfo\x12#.cosystream.v1.GetServerInfoRequest\x1a\x19.cosystream.v1.ServerInfo2\xad\x01\n\x05\x41\x64min\x12N\n\tLoadModel\x12\x1f.cosystream.v1.LoadModelRequest\x1a .cosystream.v1.LoadModelResponse\x12T\n\x0bUnloadModel\x12!.cosystream.v1.UnloadModelRequest\x1a\".cosystream.v1.UnloadModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63osystream/v1/cosystream.proto\x12\rcosystream.v1\"A\n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\"k\n\x11LoadModelResponse\x12\'\n\x05model\x18\x01 \x01(\x0b\x32\x18.cosystream.v1.ModelInfo\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\x12\x17\n\x0finstall_seconds\x18\x03 \x01(\x01\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"\x94\x01\n\x19StreamingRecognizeRequest\x12\x30\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1e.cosystream.v1.StreamingConfigH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12)\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x16.cosystream.v1.ControlH\x00\x42\t\n\x07request\"\x95\x04\n\x0fStreamingConfig\x12.\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x1c.cosystream.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\x12)\n\x08priority\x18\x03 \x01(\x0e\x32\x17.cosystream.v1.Priority\x12\x17\n\x0finterim_results\x18\x04 \x01(\x08\x12\x35\n\x0b\x65ndpointing\x18\x05 \x01(\x0b\x32 .cosystream.v1.EndpointingConfig\x12\r\n\x05model\x18\x06 \x01(\t\x12 \n\x18\x65nable_word_time_offsets\x18\x07 \x01(\x08\x12\x12\n\nfinal_pass\x18\x08 \x01(\t\x12$\n\x1c\x65nable_automatic_punctuation\x18\t \x01(\x08\x12\x18\n\x10max_alternatives\x18\n \x01(\x05\x12&\n\x07phrases\x18\x0b \x03(\x0b\x32\x15.cosystream.v1.Phrase\x12\x12\n\nvocabulary\x18\x0c \x01(\t\x12\x11\n\tresumable\x18\r \x01(\x08\x12\x14\n\x0cresume_token\x18\x0e \x01(\t\x12\x1d\n\x15resume_offset_samples\x18\x0f \x01(\x03\x12\x1d\n\x15resume_after_response\x18\x10 \x01(\x04\x12\x17\n\x0fresume_snapshot\x18\x11 \x01(\x0c\"%\n\x06Phrase\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x62oost\x18\x02 \x01(\x02\"]\n\x11\x45ndpointingConfig\x12\x12\n\nsilence_ms\x18\x01 \x01(\x05\x12\x18\n\x10max_utterance_ms\x18\x02 \x01(\x05\x12\x1a\n\x12vad_aggressiveness\x18\x03 \x01(\x05\"n\n\x07\x43ontrol\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.cosystream.v1.Control.Type\"8\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x46INALIZE\x10\x01\x12\x0c\n\x08SNAPSHOT\x10\x02\"\xc8\x02\n\x1aStreamingRecognizeResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.cosystream.v1.StreamingResult\x12\x30\n\x0cspeech_event\x18\x02 \x01(\x0b\x32\x1a.cosystream.v1.SpeechEvent\x12\'\n\x07latency\x18\x03 \x01(\x0b\x32\x16.cosystream.v1.Latency\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12)\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1a.cosystream.v1.StreamError\x12\x16\n\x0eresponse_index\x18\x06 \x01(\x04\x12\x18\n\x10\x63onsumed_samples\x18\x07 \x01(\x03\x12\x14\n\x0cresume_token\x18\x08 \x01(\t\x12\x17\n\x0fresume_snapshot\x18\t \x01(\x0c\"D\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_delay_ms\x18\x03 \x01(\x03\"\xad\x02\n\x0fStreamingResult\x12\x12\n\ntranscript\x18\x01 \x01(\t\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x11\n\tstability\x18\x03 \x01(\x02\x12\x10\n\x08start_ms\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x05 \x01(\x03\x12&\n\x05words\x18\x06 \x03(\x0b\x32\x17.cosystream.v1.WordInfo\x12\x17\n\x0futterance_index\x18\x07 \x01(\x05\x12\x12\n\nconfidence\x18\x08 \x01(\x02\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x12\n\nfinal_pass\x18\x0b \x01(\t\x12\x30\n\x0c\x61lternatives\x18\x0c \x03(\x0b\x32\x1a.cosystream.v1.Alternative\"]\n\x0b\x41lternative\x12\x12\n\ntranscript\x18\x01 \x01(\t\x12\x12\n\nconfidence\x18\x02 \x01(\x02\x12&\n\x05words\x18\x03 \x03(\x0b\x32\x17.cosystream.v1.WordInfo\"N\n\x08WordInfo\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x10\n\x08start_ms\x18\x02 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x03 \x01(\x03\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"\x93\x01\n\x0bSpeechEvent\x12-\n\x04type\x18\x01 \x01(\x0e\x32\x1f.cosystream.v1.SpeechEvent.Type\x12\x11\n\toffset_ms\x18\x02 \x01(\x03\"B\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSPEECH_STARTED\x10\x01\x12\x10\n\x0cSPEECH_ENDED\x10\x02\"g\n\x07Latency\x12\x1a\n\x12\x61udio_processed_ms\x18\x01 \x01(\x03\x12\x10\n\x08queue_ms\x18\x02 \x01(\x02\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x1a\n\x12receive_to_send_ms\x18\x04 \x01(\x02\"\x16\n\x14GetServerInfoRequest\"\xe2\x03\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12(\n\x06models\x18\x02 \x03(\x0b\x32\x18.cosystream.v1.ModelInfo\x12/\n\tencodings\x18\x03 \x03(\x0e\x32\x1c.cosystream.v1.AudioEncoding\x12\x1a\n\x12min_sample_rate_hz\x18\x04 \x01(\x05\x12\x1a\n\x12max_sample_rate_hz\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12=\n\x13\x64\x65\x66\x61ult_endpointing\x18\t \x01(\x0b\x32 .cosystream.v1.EndpointingConfig\x12\x11\n\tfrontends\x18\n \x01(\x05\x12\x1d\n\x15loaded_model_versions\x18\x0b \x01(\x05\x12,\n\x07\x65ngines\x18\x0c \x03(\x0b\x32\x1b.cosystream.v1.EngineStatus\x12\x13\n\x0b\x66inal_model\x18\r \x01(\t\x12\x14\n\x0cvocabularies\x18\x0e \x03(\t\x12\'\n\x04load\x18\x0f \x01(\x0b\x32\x19.cosystream.v1.LoadStatus\"\xef\x01\n\nLoadStatus\x12\x13\n\x0b\x65ngine_load\x18\x01 \x01(\x02\x12\x19\n\x11realtime_sessions\x18\x02 \x01(\x05\x12\x16\n\x0e\x62\x61tch_sessions\x18\x03 \x01(\x05\x12\x12\n\nfree_slots\x18\x04 \x01(\x05\x12\x15\n\rqueued_frames\x18\x05 \x01(\x05\x12\x12\n\noverloaded\x18\x06 \x01(\x08\x12\x12\n\nadmit_load\x18\x07 \x01(\x02\x12\x18\n\x10refused_for_load\x18\x08 \x01(\x03\x12\x17\n\x0f\x66rontend_lag_ms\x18\t \x01(\x02\x12\x13\n\x0b\x64\x65gradation\x18\n \x01(\t\"\x8f\x01\n\x0c\x45ngineStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12\x0c\n\x04load\x18\x06 \x01(\x02\x12\x12\n\noverloaded\x18\x07 \x01(\x08\"\xe7\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x12\x10\n\x08\x66rame_ms\x18\x04 \x01(\x05\x12\x12\n\nparameters\x18\x05 \x01(\x03\x12\x12\n\nvocabulary\x18\x06 \x03(\t\x12\x12\n\nis_default\x18\x07 \x01(\x08\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x17\n\x0fvocabulary_kind\x18\t \x01(\t\x12\x17\n\x0foutput_delay_ms\x18\n \x01(\x05\x12\x11\n\tprecision\x18\x0b \x01(\t*y\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x0c\n\x08LINEAR16\x10\x01\x12\t\n\x05MULAW\x10\x02\x12\x08\n\x04\x41LAW\x10\x03\x12\x0c\n\x08OGG_OPUS\x10\x04\x12\x08\n\x04\x46LAC\x10\x05\x12\r\n\tWEBM_OPUS\x10\x06*=\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0c\n\x08REALTIME\x10\x01\x12\t\n\x05\x42\x41TCH\x10\x02\x32\xcc\x01\n\nCosyStream\x12m\n\x12StreamingRecognize\x12(.cosystream.v1.StreamingRecognizeRequest\x1a).cosystream.v1.StreamingRecognizeResponse(\x01\x30\x01\x12O\n\rGetServerInfo\x12#.cosystream.v1.GetServerInfoRequest\x1a\x19.cosystream.v1.ServerInfo2\xad\x01\n\x05\x41\x64min\x12N\n\tLoadModel\x12\x1f.cosystream.v1.LoadModelRequest\x1a .cosystream.v1.LoadModelResponse\x12T\n\x0bUnloadModel\x12!.cosystream.v1.UnloadModelRequest\x1a\".cosystream.v1.UnloadModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cosystream.v1.cosystream_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOENCODING']._serialized_start=3419
-  _globals['_AUDIOENCODING']._serialized_end=3540
-  _globals['_PRIORITY']._serialized_start=3542
-  _globals['_PRIORITY']._serialized_end=3603
+  _globals['_AUDIOENCODING']._serialized_start=3483
+  _globals['_AUDIOENCODING']._serialized_end=3604
+  _globals['_PRIORITY']._serialized_start=3606
+  _globals['_PRIORITY']._serialized_end=3667
   _globals['_LOADMODELREQUEST']._serialized_start=49
   _globals['_LOADMODELREQUEST']._serialized_end=114
   _globals['_LOADMODELRESPONSE']._serialized_start=116
@@ -46,43 +46,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_start=285
   _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_end=433
   _globals['_STREAMINGCONFIG']._serialized_start=436
-  _globals['_STREAMINGCONFIG']._serialized_end=944
-  _globals['_PHRASE']._serialized_start=946
-  _globals['_PHRASE']._serialized_end=983
-  _globals['_ENDPOINTINGCONFIG']._serialized_start=985
-  _globals['_ENDPOINTINGCONFIG']._serialized_end=1078
-  _globals['_CONTROL']._serialized_start=1080
-  _globals['_CONTROL']._serialized_end=1176
-  _globals['_CONTROL_TYPE']._serialized_start=1134
-  _globals['_CONTROL_TYPE']._serialized_end=1176
-  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_start=1179
-  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_end=1482
-  _globals['_STREAMERROR']._serialized_start=1484
-  _globals['_STREAMERROR']._serialized_end=1552
-  _globals['_STREAMINGRESULT']._serialized_start=1555
-  _globals['_STREAMINGRESULT']._serialized_end=1856
-  _globals['_ALTERNATIVE']._serialized_start=1858
-  _globals['_ALTERNATIVE']._serialized_end=1951
-  _globals['_WORDINFO']._serialized_start=1953
-  _globals['_WORDINFO']._serialized_end=2031
-  _globals['_SPEECHEVENT']._serialized_start=2034
-  _globals['_SPEECHEVENT']._serialized_end=2181
-  _globals['_SPEECHEVENT_TYPE']._serialized_start=2115
-  _globals['_SPEECHEVENT_TYPE']._serialized_end=2181
-  _globals['_LATENCY']._serialized_start=2183
-  _globals['_LATENCY']._serialized_end=2286
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2288
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2310
-  _globals['_SERVERINFO']._serialized_start=2313
-  _globals['_SERVERINFO']._serialized_end=2795
-  _globals['_LOADSTATUS']._serialized_start=2798
-  _globals['_LOADSTATUS']._serialized_end=3037
-  _globals['_ENGINESTATUS']._serialized_start=3040
-  _globals['_ENGINESTATUS']._serialized_end=3183
-  _globals['_MODELINFO']._serialized_start=3186
-  _globals['_MODELINFO']._serialized_end=3417
-  _globals['_COSYSTREAM']._serialized_start=3606
-  _globals['_COSYSTREAM']._serialized_end=3810
-  _globals['_ADMIN']._serialized_start=3813
-  _globals['_ADMIN']._serialized_end=3986
+  _globals['_STREAMINGCONFIG']._serialized_end=969
+  _globals['_PHRASE']._serialized_start=971
+  _globals['_PHRASE']._serialized_end=1008
+  _globals['_ENDPOINTINGCONFIG']._serialized_start=1010
+  _globals['_ENDPOINTINGCONFIG']._serialized_end=1103
+  _globals['_CONTROL']._serialized_start=1105
+  _globals['_CONTROL']._serialized_end=1215
+  _globals['_CONTROL_TYPE']._serialized_start=1159
+  _globals['_CONTROL_TYPE']._serialized_end=1215
+  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_start=1218
+  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_end=1546
+  _globals['_STREAMERROR']._serialized_start=1548
+  _globals['_STREAMERROR']._serialized_end=1616
+  _globals['_STREAMINGRESULT']._serialized_start=1619
+  _globals['_STREAMINGRESULT']._serialized_end=1920
+  _globals['_ALTERNATIVE']._serialized_start=1922
+  _globals['_ALTERNATIVE']._serialized_end=2015
+  _globals['_WORDINFO']._serialized_start=2017
+  _globals['_WORDINFO']._serialized_end=2095
+  _globals['_SPEECHEVENT']._serialized_start=2098
+  _globals['_SPEECHEVENT']._serialized_end=2245
+  _globals['_SPEECHEVENT_TYPE']._serialized_start=2179
+  _globals['_SPEECHEVENT_TYPE']._serialized_end=2245
+  _globals['_LATENCY']._serialized_start=2247
+  _globals['_LATENCY']._serialized_end=2350
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2352
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2374
+  _globals['_SERVERINFO']._serialized_start=2377
+  _globals['_SERVERINFO']._serialized_end=2859
+  _globals['_LOADSTATUS']._serialized_start=2862
+  _globals['_LOADSTATUS']._serialized_end=3101
+  _globals['_ENGINESTATUS']._serialized_start=3104
+  _globals['_ENGINESTATUS']._serialized_end=3247
+  _globals['_MODELINFO']._serialized_start=3250
+  _globals['_MODELINFO']._serialized_end=3481
+  _globals['_COSYSTREAM']._serialized_start=3670
+  _globals['_COSYSTREAM']._serialized_end=3874
+  _globals['_ADMIN']._serialized_start=3877
+  _globals['_ADMIN']._serialized_end=4050
 # @@protoc_insertion_point(module_scope)

@@ -74,7 +74,7 @@ class StreamingRecognizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class StreamingConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases", "vocabulary", "resumable", "resume_token", "resume_offset_samples", "resume_after_response")
+    __slots__ = ("encoding", "sample_rate_hz", "priority", "interim_results", "endpointing", "model", "enable_word_time_offsets", "final_pass", "enable_automatic_punctuation", "max_alternatives", "phrases", "vocabulary", "resumable", "resume_token", "resume_offset_samples", "resume_after_response", "resume_snapshot")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class StreamingConfig(_message.Message):
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RESUME_AFTER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     encoding: AudioEncoding
     sample_rate_hz: int
     priority: Priority
@@ -107,7 +108,8 @@ class StreamingConfig(_message.Message):
     resume_token: str
     resume_offset_samples: int
     resume_after_response: int
-    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ..., vocabulary: _Optional[str] = ..., resumable: _Optional[bool] = ..., resume_token: _Optional[str] = ..., resume_offset_samples: _Optional[int] = ..., resume_after_response: _Optional[int] = ...) -> None: ...
+    resume_snapshot: bytes
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., interim_results: _Optional[bool] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., model: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., final_pass: _Optional[str] = ..., enable_automatic_punctuation: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., phrases: _Optional[_Iterable[_Union[Phrase, _Mapping]]] = ..., vocabulary: _Optional[str] = ..., resumable: _Optional[bool] = ..., resume_token: _Optional[str] = ..., resume_offset_samples: _Optional[int] = ..., resume_after_response: _Optional[int] = ..., resume_snapshot: _Optional[bytes] = ...) -> None: ...
 
 class Phrase(_message.Message):
     __slots__ = ("text", "boost")
@@ -133,14 +135,16 @@ class Control(_message.Message):
         __slots__ = ()
         TYPE_UNSPECIFIED: _ClassVar[Control.Type]
         FINALIZE: _ClassVar[Control.Type]
+        SNAPSHOT: _ClassVar[Control.Type]
     TYPE_UNSPECIFIED: Control.Type
     FINALIZE: Control.Type
+    SNAPSHOT: Control.Type
     TYPE_FIELD_NUMBER: _ClassVar[int]
     type: Control.Type
     def __init__(self, type: _Optional[_Union[Control.Type, str]] = ...) -> None: ...
 
 class StreamingRecognizeResponse(_message.Message):
-    __slots__ = ("results", "speech_event", "latency", "session_id", "error", "response_index", "consumed_samples", "resume_token")
+    __slots__ = ("results", "speech_event", "latency", "session_id", "error", "response_index", "consumed_samples", "resume_token", "resume_snapshot")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SPEECH_EVENT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +153,7 @@ class StreamingRecognizeResponse(_message.Message):
     RESPONSE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StreamingResult]
     speech_event: SpeechEvent
     latency: Latency
@@ -157,7 +162,8 @@ class StreamingRecognizeResponse(_message.Message):
     response_index: int
     consumed_samples: int
     resume_token: str
-    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., response_index: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., resume_token: _Optional[str] = ...) -> None: ...
+    resume_snapshot: bytes
+    def __init__(self, results: _Optional[_Iterable[_Union[StreamingResult, _Mapping]]] = ..., speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., response_index: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., resume_token: _Optional[str] = ..., resume_snapshot: _Optional[bytes] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "retry_delay_ms")

@@ -7,7 +7,10 @@ yet reported consumed (``StreamingRecognizeResponse.consumed_samples``; a resuma
 least every second of audio, silence included, so that is about a second of audio plus what is in flight).
 When a call fails UNAVAILABLE (a reset connection, a proxy recycling it, a server that went away) it opens a
 new one with the resume token, the last consumed offset and the last response index, sends the audio again
-from that offset, and carries on, with a backoff between attempts (:class:`ResumePolicy`). The audio source
+from that offset, and carries on, with a backoff between attempts (:class:`ResumePolicy`). A draining server
+(with ``--resume-key-file``) hands the session over instead: a last response carries its snapshot
+(``resume_snapshot``), the call ends UNAVAILABLE, and the next call (which the load balancer sends to another
+replica) goes on from the snapshot. The audio source
 is read on meanwhile, so a live microphone loses nothing during an outage. It gives up, raising the last
 error, when the server says the session is gone (NOT_FOUND: its resume window passed, or it was drained),
 when an outage lasts longer than the policy allows, or on any other status::
@@ -121,9 +124,8 @@ class ResumableStream:
         self._chunks: deque[bytes] = deque()
         self._base = 0
         self._end = 0  # bytes read from the source so far
-        self._trimmed = (
-            0  # chunks let go (confirmed, or past max_buffer_s): a chunk's number less this is its index
-        )
+        # Chunks let go (confirmed, or past max_buffer_s): a chunk's number less this is its index.
+        self._trimmed = 0
         self._next = 0  # the number of the next chunk the current call sends (only chunks sent are let go)
         self._source_done = False
         self._source_error: BaseException | None = None
@@ -133,6 +135,10 @@ class ResumableStream:
         self._accepted = asyncio.Event()
         self.status = StreamStatus()  # the status the last call really ended with (client.py)
         self.token = ""
+        # A snapshot the server handed the session over with (a drain: StreamingRecognizeResponse.resume_snapshot)
+        # and the offset it goes on from: the next call resumes from it, on whichever server it reaches.
+        self.snapshot = b""
+        self.snapshot_samples = 0
         self.consumed_samples = 0
         self.last_index = 0  # the response_index of the last response handed on
         self.connections = 0
@@ -154,10 +160,11 @@ class ResumableStream:
         attempt = 0
         try:
             while True:
-                resuming = bool(self.token)
-                if resuming and self.consumed_samples * self._width < self._base:
+                resuming = bool(self.token or self.snapshot)
+                start = self.snapshot_samples if self.snapshot else self.consumed_samples
+                if resuming and start * self._width < self._base:
                     raise ResumeError(
-                        f"cannot resume: the server had consumed {self.consumed_samples} samples and the audio "
+                        f"cannot resume: the session goes on from sample {start} and the audio "
                         f"before sample {self._base // self._width} was let go (max_buffer_s)"
                     )
                 self.connections += 1
@@ -172,10 +179,12 @@ class ResumableStream:
                             log.info("stream resumed (%d) at sample %d", self.resumes, self.consumed_samples)
                             if self._on_resume is not None:
                                 self._on_resume(self.resumes)
-                        self.token, lost_at, attempt = token, None, 0
+                        self.token, self.snapshot, lost_at, attempt = token, b"", None, 0
                     self._accepted.set()
                     async for response in call:
                         self.status.seen(response)
+                        if response.HasField("error"):
+                            continue  # (the call's status, as a last response: raised below, or resumed)
                         if response.response_index and response.response_index <= self.last_index:
                             continue  # (sent again by a server whose earlier copy did arrive)
                         self._confirmed(response)
@@ -210,6 +219,8 @@ class ResumableStream:
             self.last_index = response.response_index
         if response.resume_token:
             self.token = response.resume_token
+        if response.resume_snapshot:  # (handed over: this call ends, the session goes on elsewhere)
+            self.snapshot, self.snapshot_samples = response.resume_snapshot, response.consumed_samples
         if response.consumed_samples > self.consumed_samples:
             self.consumed_samples = response.consumed_samples
             consumed = self.consumed_samples * self._width
@@ -246,12 +257,16 @@ class ResumableStream:
         when the call is opened: the offset it resumes from is fixed then, and the chunks from there on are
         kept until this call has sent them, whatever the responses it replays say meanwhile."""
         config = self.config
-        offset = self.consumed_samples * self._width if self.token else 0
-        if self.token:
+        start = self.snapshot_samples if self.snapshot else self.consumed_samples if self.token else 0
+        offset = start * self._width
+        if self.snapshot or self.token:
             config = pb.StreamingConfig()
             config.CopyFrom(self.config)
-            config.resume_token = self.token
-            config.resume_offset_samples = self.consumed_samples
+            if self.snapshot:
+                config.resume_snapshot = self.snapshot
+            else:
+                config.resume_token = self.token
+            config.resume_offset_samples = start
             config.resume_after_response = self.last_index
         # The chunk holding that offset, and how far into it (the chunks before it are confirmed: skipped).
         self._next, skip = self._trimmed, offset - self._base
