@@ -129,12 +129,17 @@ def finals(responses) -> list[str]:
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "please call me back at the office tomorrow"]
 
 
+def spoken(sentences: list[str]) -> bytes:
+    """0.3 s of silence, then each sentence followed by 1 s of silence, as 16 kHz LINEAR16."""
+    parts = [silence(0.3)]
+    for sentence in sentences:
+        parts += [speech(sentence), silence(1.0)]
+    return encode(np.concatenate(parts), "LINEAR16")
+
+
 @needs_espeak
 def test_a_stream_cut_twice_mid_utterance_resumes_with_the_same_transcript_exactly_once(server, proxy):
-    parts = []
-    for sentence in SENTENCES:
-        parts += [speech(sentence), silence(1.0)]
-    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    audio = spoken(SENTENCES)
     whole = ResumingClient(server.port, audio, [], None).run()
     assert finals(whole) and all(finals(whole)), finals(whole)
 
@@ -258,10 +263,7 @@ async def recognize(port: int, audio, policy=DEFAULT_RESUME, cut_at: list[int] |
 
 @needs_espeak
 def test_the_client_library_resumes_by_itself_with_the_same_transcript_exactly_once(server, proxy):
-    parts = []
-    for sentence in SENTENCES:
-        parts += [speech(sentence), silence(1.0)]
-    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    audio = spoken(SENTENCES)
     whole, _ = asyncio.run(recognize(server.port, paced(audio)))
     assert finals(whole) and all(finals(whole)), finals(whole)
 
@@ -344,10 +346,7 @@ def test_a_resume_that_lands_on_another_frontend_is_passed_to_the_one_holding_th
     """``serve --frontends 3``: each reconnection reaches any frontend (SO_REUSEPORT); cut eight times, the
     stream resumes every time, some through a frontend that does not hold the session, and the transcript is
     the one of an uncut stream."""
-    parts = []
-    for sentence in SENTENCES:
-        parts += [speech(sentence), silence(1.0)]
-    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    audio = spoken(SENTENCES)
     with Served("--frontends", "3", "--max-sessions", "8") as served:
         served.wait(lambda: served.health() == 1, 60, "every frontend listening")
         whole, _ = asyncio.run(recognize(served.port, paced(audio)))
@@ -433,10 +432,7 @@ def test_a_drain_hands_a_resumable_session_over_to_another_server_at_an_utteranc
     finals are those of an uncut stream, each once, the response indexes unbroken."""
     key = tmp_path / "resume.key"
     key.write_bytes(KEY)
-    parts = []
-    for sentence in [*SENTENCES, SENTENCES[0]]:
-        parts += [speech(sentence), silence(1.0)]
-    audio = encode(np.concatenate([silence(0.3), *parts]), "LINEAR16")
+    audio = spoken([*SENTENCES, SENTENCES[0]])
     flags = ("--frontends", "1", "--resume-key-file", str(key), "--drain-grace-s", "20")
     with Served(*flags) as a, Served(*flags) as b:
         whole, _ = asyncio.run(recognize(b.port, paced(audio)))
@@ -463,3 +459,43 @@ def test_a_drain_hands_a_resumable_session_over_to_another_server_at_an_utteranc
         assert [r.utterance_index for response in handed for r in response.results if r.is_final] == [0, 1, 2]
         assert any("handed over at frame" in line for line in a.log)
         b.wait(lambda: b.info().active_sessions == 0, 10, "the session freed")
+
+
+@needs_espeak
+def test_control_snapshot_hands_the_session_over_at_the_next_boundary_and_ends_ok(server):
+    """Asked mid-sentence, the snapshot comes once the sentence's final is out; the stream then ends OK and
+    a stream that resumes from the snapshot (here, on the same server) goes on with the next sentence."""
+    first = np.concatenate([silence(0.3), speech(SENTENCES[0]), silence(1.0)])
+    rest = np.concatenate([speech(SENTENCES[1]), silence(1.0)])
+    audio = encode(np.concatenate([first, rest]), "LINEAR16")
+    ask_at = CHUNK * 10  # 1 s in: inside the first sentence
+
+    def requests():
+        yield config(resumable=True)
+        for offset in range(0, len(audio), CHUNK):
+            yield pb.StreamingRecognizeRequest(audio=audio[offset : offset + CHUNK])
+            if offset == ask_at:
+                yield pb.StreamingRecognizeRequest(control=pb.Control(type=pb.Control.SNAPSHOT))
+            time.sleep(0.02)
+
+    channel, stub = stub_for(server.port)
+    with channel:
+        before = list(stub.StreamingRecognize(requests(), timeout=30))  # (ends OK)
+    alone, _ = asyncio.run(recognize(server.port, paced(encode(first, "LINEAR16"))))
+    assert finals(before) == finals(alone) and len(finals(alone)) == 1
+    handed = before[-1]
+    assert handed.resume_snapshot and not handed.results
+    offset = handed.consumed_samples
+    assert len(first) - 16000 < offset <= len(first), "after the first sentence's final, a pre-roll back"
+    again = config(resume_snapshot=handed.resume_snapshot, resume_offset_samples=offset)
+    channel, stub = stub_for(server.port)
+    with channel:
+        tail = [
+            pb.StreamingRecognizeRequest(audio=audio[i : i + CHUNK]) for i in range(offset * 2, len(audio), CHUNK)
+        ]
+        after = list(stub.StreamingRecognize(iter([again, *tail]), timeout=30))
+    assert after[0].response_index == handed.response_index + 1
+    results = [r for response in after for r in response.results if r.is_final]
+    assert [r.utterance_index for r in results] == [1] and results[0].transcript
+    assert results[0].start_ms >= len(first) * 1000 // 16000 - 200
+    wait_active(server, 0)

@@ -192,7 +192,7 @@ class ResumableStream:
                     break
                 except grpc.aio.AioRpcError as failed:
                     err = self.status.resolve(failed)
-                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    if not self._lost(err):
                         raise err from None
                     now = loop.time()
                     lost_at = now if lost_at is None else lost_at
@@ -212,6 +212,18 @@ class ResumableStream:
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await feeder
+
+    def _lost(self, err: grpc.aio.AioRpcError) -> bool:
+        """Whether a call ended because its connection did (resume), not by the server's word (raise): the
+        status UNAVAILABLE, or INTERNAL "Internal error from Core" with no status from the server, which is how
+        grpcio's asyncio client reports a connection reset under a message being written (grpc/grpc#36066)."""
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            return True
+        return (
+            err.code() == grpc.StatusCode.INTERNAL
+            and self.status.error is None
+            and "from Core" in (err.details() or "")
+        )
 
     def _confirmed(self, response: pb.StreamingRecognizeResponse) -> None:
         """What a response says the server has: its index, its token, the audio it consumed (let go here)."""
