@@ -90,9 +90,8 @@ class Supervisor:
         # One config per engine process (``serve --engines``, ``--device cuda:all``): each its own socket and device.
         self.processes = [process] if isinstance(process, EngineProcessConfig) else list(process)
         self.process = self.processes[0]
-        if (
-            frontends > 1
-        ):  # each frontend's own socket, beside the engine's (forward.py: resumes that land elsewhere)
+        # Each frontend's own socket, beside the engine's (server/forward.py: resumes that land elsewhere).
+        if frontends > 1:
             run_dir = os.path.dirname(self.process.address)
             peers = tuple(f"unix:{os.path.join(run_dir, f'frontend-{i}.sock')}" for i in range(frontends))
             frontend = replace(frontend, stream=replace(frontend.stream, peers=peers))

@@ -135,6 +135,18 @@ class StepObserver(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class _RealtimeWindow:
+    """A load window's realtime steps, summed (their steps, rows, frames and compute seconds), and its busy
+    time (what the adaptive policy was fed: the load's numerator)."""
+
+    steps: int = 0
+    rows: int = 0
+    frames: int = 0
+    compute_s: float = 0.0
+    busy_s: float = 0.0
+
+
 class EngineCore:
     def __init__(
         self,
@@ -221,10 +233,7 @@ class EngineCore:
             metrics.set_fallback(heavy, False)  # (the series exists from start-up)
         self.headroom = Headroom(config.admit_load, config.overload_window_s, clock)
         self.report: LoadReport | None = None  # the last window's, for the frontends (ACTIVE)
-        # This load window's realtime steps: (steps, rows, frames, compute seconds) summed; and its busy time
-        # (what the adaptive policy was fed: the load's numerator).
-        self._realtime_steps = (0, 0, 0, 0.0)
-        self._window_busy_s = 0.0
+        self._window = _RealtimeWindow()  # this load window's, for headroom's projection
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
 
@@ -415,7 +424,7 @@ class EngineCore:
         windows = policy.windows
         realtime_busy_s = busy_s - self._batch_s + self._projection_s
         policy.add(realtime_busy_s)
-        self._window_busy_s += realtime_busy_s
+        self._window.busy_s += realtime_busy_s
         self._batch_s = self._projection_s = 0.0
         switch = policy.update()
         if policy.windows != windows:
@@ -437,12 +446,13 @@ class EngineCore:
 
     def _observe_window(self, load: float) -> None:
         """A load window ended: the overload state, the metrics and the frontends' report."""
-        steps, rows, frames, compute_s = self._realtime_steps
-        busy_s, self._realtime_steps, self._window_busy_s = self._window_busy_s, (0, 0, 0, 0.0), 0.0
+        window, self._window = self._window, _RealtimeWindow()
         stage = self.headroom.stage
         counts = self.active_sessions()
-        mean_rows, mean_frames = (rows / steps, frames / steps) if steps else (0.0, 0.0)
-        compute = load * min(1.0, compute_s / busy_s) if busy_s > 0 else load  # (the load's model steps)
+        steps = window.steps
+        mean_rows, mean_frames = (window.rows / steps, window.frames / steps) if steps else (0.0, 0.0)
+        # (the part of the load that was model steps)
+        compute = load * min(1.0, window.compute_s / window.busy_s) if window.busy_s > 0 else load
         if self.headroom.observe(load, mean_rows, mean_frames, counts["realtime"], compute):
             limit = self.headroom.limit
             if self.headroom.overloaded:
@@ -567,8 +577,11 @@ class EngineCore:
         if plan.priority is Priority.BATCH:
             self._batch_s += compute_s
         else:
-            steps, rows, frames, rt_compute_s = self._realtime_steps
-            self._realtime_steps = (steps + 1, rows + plan.rows, frames + plan.frames, rt_compute_s + compute_s)
+            window = self._window
+            window.steps += 1
+            window.rows += plan.rows
+            window.frames += plan.frames
+            window.compute_s += compute_s
             if self._fallbacks:
                 self._project(plan, compute_s)
         return plan
