@@ -457,7 +457,8 @@ class _Stream:
         self.resume_token = servicer.new_resume_token() if config.resumable else ""
         self.bytes_per_sample = RESUMABLE.get(config.encoding, 1)
         # (a session resumed from a snapshot goes on from its offset, its responses numbered on from it)
-        self.consumed_bytes = config.first_frame * config.sample_rate_hz // 100 * self.bytes_per_sample
+        self.frame_samples = config.sample_rate_hz // 100  # input samples per 10 ms frame (every rate: whole)
+        self.consumed_bytes = config.first_frame * self.frame_samples * self.bytes_per_sample
         self.skip_bytes = config.skip_samples * self.bytes_per_sample  # (audio the session already has)
         self.response_index = config.first_response
         self.reported_samples = 0  # consumed_samples as of the last response sent
@@ -486,8 +487,7 @@ class _Stream:
     def resume_samples(self) -> int:
         """What a resumable stream reports consumed: the input it has, less what a snapshot taken later may
         start before it (a pre-roll): a client that keeps the audio from here can resume on any server."""
-        frame_samples = self.session.resume_frame * self.session.config.sample_rate_hz // 100
-        return min(self.consumed_samples, frame_samples)
+        return min(self.consumed_samples, self.session.resume_frame * self.frame_samples)
 
     def stamp(self, response: pb.StreamingRecognizeResponse) -> pb.StreamingRecognizeResponse:
         """Number a resumable stream's response, say how much input it has consumed, and keep it to send again."""
@@ -623,7 +623,7 @@ class _Stream:
             config=config.wire,
             model=self.model_name,
             model_version=self.session.model_version,
-            offset_samples=handoff.frame * config.sample_rate_hz // 100,
+            offset_samples=handoff.frame * self.frame_samples,
             frame=handoff.frame,
             utterances=handoff.utterances,
             responses=self.response_index + 1,
