@@ -23,8 +23,8 @@ from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.scheduler import Priority
-from cosystream.server.session import Session, SessionConfig
-from cosystream.server.tracing import TracingConfig, start_tracing
+from cosystream.frontend.session import Session, SessionConfig
+from cosystream.frontend.tracing import TracingConfig, start_tracing
 from cosystream.v1.client import read_wav
 
 ROOT = Path(__file__).resolve().parents[1]

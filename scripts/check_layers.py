@@ -3,7 +3,8 @@
 The layers, top to bottom (a layer imports only the layers listed for it, never one above)::
 
     app       the CLI, supervisor, in-process server, naive baseline, transcribe, eval
-    server    gRPC: servicer, sessions, engine client, frontend, Google / Riva adapters
+    server    the transports: gRPC servicer, HTTP / WebSocket, Google / Riva adapters, the frontend server
+    frontend  sessions without a transport: session, engine client and pool, responses, quotas, snapshots
     engine    the engine process, IPC messages, scheduler, tick loop
     runtime   state slab, runner, CUDA graphs
     models    the streaming-model contract and the models
@@ -15,6 +16,9 @@ The layers, top to bottom (a layer imports only the layers listed for it, never 
 
 No module of the server layer or below it (but the engine, runtime and models) loads torch, checked at import
 time in a subprocess as well as in the source: a frontend process never pays for torch (``PROCESSES``).
+No layer below the server imports gRPC or protobuf (``google.*``), nor the generated wire API: a session
+knows nothing of its transport; the server maps its plain results to messages. Checked in the source and,
+for the frontend's layers, at import time in a subprocess that refuses those packages.
 
 ``clients/`` may import only ``cosystream.v1``. There is no import cycle anywhere in the package,
 ``training/``, ``benchmarks/`` or ``clients/`` (imports inside functions count: they are cycles too).
@@ -38,20 +42,27 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"models", "base"},
     "engine": {"runtime", "models", "base"},
     "secondpass": {"decoding", "base"},
-    "server": {"engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
-    "app": {"server", "engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
+    "frontend": {"engine", "audio", "decoding", "secondpass", "base", "api"},
+    "server": {"frontend", "engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
+    "app": {"server", "frontend", "engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
 }
-# Third-party packages a layer must not import (the second pass's worker process stays small).
-FORBIDDEN: dict[str, tuple[str, ...]] = {"secondpass": ("torch", "grpc")}
+# Third-party packages a layer must not import: no transport below the server (grpc, google.protobuf and
+# google.rpc), and the second pass's worker process stays small (no torch).
+_TRANSPORT = ("grpc", "google")
+_BELOW_SERVER = ("engine", "runtime", "models", "audio", "decoding", "base")
+FORBIDDEN: dict[str, tuple[str, ...]] = {layer: _TRANSPORT for layer in _BELOW_SERVER}
+FORBIDDEN["secondpass"] = ("torch", *_TRANSPORT)
 _SUBPACKAGE_LAYERS = {"v1": "api", "app": "app", "server": "server", "engine": "engine", "runtime": "runtime"}
 _SUBPACKAGE_LAYERS |= {"models": "models", "audio": "audio", "decoding": "decoding", "__main__": "app"}
-_SUBPACKAGE_LAYERS |= {"secondpass": "secondpass"}
+_SUBPACKAGE_LAYERS |= {"secondpass": "secondpass", "frontend": "frontend"}
 TREES = ("cosystream", "training", "benchmarks", "clients")
 # What a frontend process imports, and the packages it must never load: its entry point, and every module of
 # the layers it runs (the engine's IPC messages and process settings are its only modules of the engine).
 FRONTEND_MODULES = ("cosystream.app.frontend_process", "cosystream.engine.ipc", "cosystream.engine.prctl")
-FRONTEND_PACKAGES = ("cosystream.server", "cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
+BELOW_THE_SERVER = ("cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
+FRONTEND_PACKAGES = ("cosystream.server", *BELOW_THE_SERVER)
 NEVER_IN_A_FRONTEND = ("torch",)
+NEVER_BELOW_THE_SERVER = ("torch", "grpc", "google")
 _IMPORT_PROBE = """
 import importlib, pkgutil, sys, traceback
 refused = set(sys.argv[1].split(","))
@@ -60,7 +71,7 @@ class Refuse:
         if name.split(".")[0] in refused:
             raise ImportError(f"{name} loaded")
 sys.meta_path.insert(0, Refuse())
-names = sys.argv[2].split(",")
+names = [name for name in sys.argv[2].split(",") if name]
 for package in sys.argv[3].split(","):
     names += [info.name for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")]
 for name in names:
@@ -169,15 +180,23 @@ def check(root: Path) -> list[str]:
 
 
 def process_imports(root: Path) -> list[str]:
-    """Import every module a frontend process runs, in a fresh interpreter refusing torch: each one that
-    would load it (an import inside a function counts once it runs: this checks only import time)."""
-    argv = [",".join(NEVER_IN_A_FRONTEND), ",".join(FRONTEND_MODULES), ",".join(FRONTEND_PACKAGES)]
-    result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_PROBE, *argv], cwd=root, capture_output=True, text=True, timeout=120
+    """Import every module a frontend process runs, in a fresh interpreter refusing torch, and every module of
+    the layers below the server in one refusing torch, gRPC and protobuf too: each one that would load them
+    (an import inside a function counts once it runs: this checks only import time)."""
+    probes = (
+        ("a frontend process would load torch", NEVER_IN_A_FRONTEND, FRONTEND_MODULES, FRONTEND_PACKAGES),
+        ("a module below the server would load its transport", NEVER_BELOW_THE_SERVER, (), BELOW_THE_SERVER),
     )
-    if result.returncode != 0:
-        return [f"importing a frontend's modules failed: {result.stderr.strip().splitlines()[-1:]}"]
-    return [f"a frontend process would load torch: {line}" for line in result.stdout.splitlines()]
+    problems: list[str] = []
+    for what, refused, modules, packages in probes:
+        argv = [",".join(refused), ",".join(modules), ",".join(packages)]
+        result = subprocess.run(
+            [sys.executable, "-c", _IMPORT_PROBE, *argv], cwd=root, capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            return [f"importing a frontend's modules failed: {result.stderr.strip().splitlines()[-1:]}"]
+        problems += [f"{what}: {line}" for line in result.stdout.splitlines()]
+    return problems
 
 
 def main() -> int:

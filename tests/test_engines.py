@@ -175,8 +175,8 @@ def test_a_session_refused_by_a_full_engine_opens_on_another_with_its_first_fram
     from cosystream.engine.core import EngineConfig
     from cosystream.engine.process import EngineProcessConfig, start_engine
     from cosystream.engine.scheduler import Priority
+    from cosystream.frontend.engine_pool import ID_STRIDE, EnginePool
     from cosystream.models import FRAME_SAMPLES
-    from cosystream.server.engine_pool import ID_STRIDE, EnginePool
 
     base = EngineProcessConfig(address="", authkey=b"k" * 16, engine=EngineConfig(max_sessions=1), device="cpu")
     configs = [dataclasses.replace(base, address=str(tmp_path / f"e{i}.sock"), index=i) for i in range(2)]

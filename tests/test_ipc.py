@@ -48,7 +48,7 @@ def test_to_frontend_round_trips():
 
 def test_the_engine_client_and_the_naive_baseline_are_both_engines():
     from cosystream.app.naive import NaiveEngine
-    from cosystream.server.engine_client import Engine, EngineClient
+    from cosystream.frontend.engine_client import Engine, EngineClient
 
     assert isinstance(EngineClient("/nonexistent.sock", b"key"), Engine)
     assert isinstance(NaiveEngine(None, max_sessions=2), Engine)

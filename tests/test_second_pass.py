@@ -105,8 +105,8 @@ class _Recorder:
 
 
 def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_is_read_again():
+    from cosystream.frontend.final_pass import FinalPass
     from cosystream.secondpass.whisper import SecondPassResult
-    from cosystream.server.final_pass import FinalPass
     from cosystream.v1 import cosystream_pb2 as pb
 
     second, answered = _Recorder(), []
@@ -141,8 +141,8 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
 
 
 def test_a_second_pass_final_has_its_own_transcript_as_its_one_alternative():
+    from cosystream.frontend.final_pass import Held
     from cosystream.secondpass.whisper import SecondPassResult
-    from cosystream.server.final_pass import Held
     from cosystream.v1 import cosystream_pb2 as pb
 
     result = pb.StreamingResult(transcript="the cat", is_final=True, start_ms=0, end_ms=1000)
@@ -155,8 +155,8 @@ def test_a_second_pass_final_has_its_own_transcript_as_its_one_alternative():
 
 
 def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_words():
+    from cosystream.frontend.final_pass import Held
     from cosystream.secondpass.whisper import SecondPassResult, merge_words
-    from cosystream.server.final_pass import Held
     from cosystream.v1 import cosystream_pb2 as pb
 
     # Whisper's word tokens: punctuation and a contraction's tail go with the word before them

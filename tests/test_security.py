@@ -31,8 +31,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cosystream.frontend.quota import QuotaExceeded, TokenSessions
 from cosystream.server.auth import TokenFileError, TokenStore, load_tokens, parse_tokens
-from cosystream.server.quota import QuotaExceeded, TokenSessions
 from cosystream.server.tls import TlsConfig, TlsError, load
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc

@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cosystream.decoding.beam import BeamConfig
 from cosystream.decoding.config import DecoderConfig
+from cosystream.frontend.session import Session
 from cosystream.models.loading import DEFAULT_MODEL_DIR
-from cosystream.server.session import Session
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import HeldStream, local_server

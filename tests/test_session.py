@@ -14,7 +14,7 @@ from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.headroom import THIN_INTERIM_MS
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_SAMPLES
-from cosystream.server.session import END_CONTEXT_FRAMES, Session, SessionConfig
+from cosystream.frontend.session import END_CONTEXT_FRAMES, Session, SessionConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from tests.conftest import speech_like
 
@@ -254,8 +254,8 @@ class HeldSecondPass:
 
 
 def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_stream():
+    from cosystream.frontend.final_pass import FinalPass
     from cosystream.secondpass.whisper import SecondPassResult
-    from cosystream.server.final_pass import FinalPass
 
     second = HeldSecondPass()
     final_pass = FinalPass(second, key=1, realtime=True, max_frames=6000, on_answer=lambda: session.resume())

@@ -1,4 +1,4 @@
-"""Per-utterance traces (``serve --otlp-endpoint``, ``cosystream/server/tracing.py``): the spans' names,
+"""Per-utterance traces (``serve --otlp-endpoint``, ``cosystream/frontend/tracing.py``): the spans' names,
 parents and timings through the SDK's in-memory exporter on an in-process server, a client's ``traceparent``
 followed, and a real ``cosystream serve`` exporting OTLP/HTTP to a collector on loopback."""
 
@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cosystream.server.tracing import TracingConfig, start_tracing
+from cosystream.frontend.tracing import TracingConfig, start_tracing
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import Served, local_server

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from grpc_status import rpc_status
 
-from cosystream.server import usage
+from cosystream.frontend import usage
+from cosystream.frontend.quota import TokenSessions
+from cosystream.frontend.usage import DAY_S, UsageExceeded, UsageLimits
 from cosystream.server.auth import TokenFileError, parse_tokens
-from cosystream.server.quota import TokenSessions
 from cosystream.server.retry import retry_after_s
-from cosystream.server.usage import DAY_S, UsageExceeded, UsageLimits
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import Served, local_server_with

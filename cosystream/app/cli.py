@@ -869,11 +869,11 @@ def serve(args: argparse.Namespace) -> int:
 
 def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, decoder, decoders):
     """The frontends' config from the flags; ``ValueError`` from a config's own checks."""
+    from cosystream.frontend.snapshot import read_key
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.http import HttpConfig
     from cosystream.server.servicer import StreamOptions
-    from cosystream.server.snapshot import read_key
 
     return FrontendConfig(
         **given(
@@ -928,7 +928,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
 def tracing_config(args: argparse.Namespace):
     """``--otlp-endpoint`` and ``--trace-sample`` (None: tracing off); ValueError for bad values or a missing
     extra, said before any process starts."""
-    from cosystream.server.tracing import TracingConfig, tracing_available
+    from cosystream.frontend.tracing import TracingConfig, tracing_available
 
     if args.otlp_endpoint is None:
         if args.trace_sample is not None:

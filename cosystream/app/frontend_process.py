@@ -13,9 +13,9 @@ import signal
 from dataclasses import replace
 
 from cosystream.engine.prctl import exit_with_parent, set_process_name
+from cosystream.frontend.quota import TokenSessions
 from cosystream.logs import configure as configure_logs
 from cosystream.server.frontend import Frontend, FrontendConfig
-from cosystream.server.quota import TokenSessions
 
 
 def frontend_main(

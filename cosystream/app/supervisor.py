@@ -20,7 +20,7 @@ here, the others by the SIGHUP forwarded to them. The children are spawned with 
 inherited): a frontend unblocks it once its handler is in place, so a SIGHUP during its start-up waits
 instead of killing it, and the engine never unblocks it (a SIGHUP to the process group reloads, and stops
 nothing). With tokens, the frontends count each token's open sessions in one shared table
-(``server/quota.py``); a frontend that dies has its row zeroed before it is respawned.
+(``frontend/quota.py``); a frontend that dies has its row zeroed before it is respawned.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from cosystream.app.banner import startup_lines
 from cosystream.app.frontend_process import frontend_main
 from cosystream.engine.prctl import set_process_name
 from cosystream.engine.process import EngineHandle, EngineProcessConfig, EngineStartError, start_engine
+from cosystream.frontend.quota import TokenSessions
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.server.auth import TokenFileError
 from cosystream.server.frontend import Frontend, FrontendConfig
-from cosystream.server.quota import TokenSessions
 from cosystream.server.tls import TlsError
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,2 @@
-"""gRPC serving: the servicer and its sessions, the engine client, the frontend process, and the Google / Riva adapters."""
+"""The transports: the gRPC servicer, HTTP / WebSocket, the Google / Riva adapters and the frontend server, over
+the sessions of ``cosystream.frontend``."""

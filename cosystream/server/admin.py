@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 
 from cosystream.engine import ipc
+from cosystream.frontend.engine_client import ModelLoadError
 from cosystream.model_files import PRECISIONS, RESERVED_NAMES
 from cosystream.server.auth import current_token
-from cosystream.server.engine_client import ModelLoadError
 from cosystream.server.servicer import CosyStreamServicer, model_message
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc

@@ -6,7 +6,7 @@ The file, one token a line (``#`` starts a comment)::
     NAME sha256:HEX [...]            # the token's SHA-256 instead of the token: no secret in the file
 
 ``max_audio_s_per_min`` / ``max_audio_s_per_day``: seconds of audio the token's sessions may send together
-in any 60 s, and on one UTC day, counted across the server's frontends (``cosystream.server.usage``).
+in any 60 s, and on one UTC day, counted across the server's frontends (``cosystream.frontend.usage``).
 
 Clients send ``authorization: Bearer TOKEN`` (Google's clients may send ``x-goog-api-key: TOKEN``). The
 presented token is hashed and compared with every entry's digest by ``hmac.compare_digest``, so plain and
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cosystream.server.usage import NO_LIMITS, UsageLimits
+from cosystream.frontend.usage import NO_LIMITS, UsageLimits
 
 log = logging.getLogger(__name__)
 

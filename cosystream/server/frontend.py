@@ -22,18 +22,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cosystream.frontend.engine_client import Engine, EngineClient
+from cosystream.frontend.engine_pool import EnginePool
+from cosystream.frontend.quota import TokenSessions
+from cosystream.frontend.tracing import UtteranceTracer, start_tracing
 from cosystream.metrics import FrontendMetrics, SecondPassMetrics
 from cosystream.secondpass.worker import SecondPass
 from cosystream.server.admin import add_admin_service
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
-from cosystream.server.engine_client import Engine, EngineClient
-from cosystream.server.engine_pool import EnginePool
 from cosystream.server.http import HttpConfig
-from cosystream.server.quota import TokenSessions
 from cosystream.server.servicer import CosyStreamServicer, StreamOptions, thinning
 from cosystream.server.tls import ReloadingCredentials, TlsConfig
-from cosystream.server.tracing import UtteranceTracer, start_tracing
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.client import DEFAULT_PORT

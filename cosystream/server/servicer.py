@@ -9,7 +9,7 @@ the first ``await``: a cancel, a rejection or an error at any point frees it.
 
 A stream runs on the model its config names (the default when it names none), with that model's own decoder
 (its vocabulary, lexicon and language model) and output delay; every result names the model and its version.
-A model loaded while serving gets its decoder before it serves (``model_decoders.py``); a session moved to a
+A model loaded while serving gets its decoder before it serves (``frontend/model_decoders.py``); a session moved to a
 new version of its model between utterances decodes the next ones with the new version's decoder.
 """
 
@@ -41,22 +41,22 @@ from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradati
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
+from cosystream.frontend.engine_client import Engine
+from cosystream.frontend.engine_pool import EnginePool
+from cosystream.frontend.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, FinalPass
+from cosystream.frontend.model_decoders import ModelDecoders
+from cosystream.frontend.quota import Claim, QuotaExceeded, TokenSessions
+from cosystream.frontend.responses import DEFAULT_MAX_ITEMS, ResponseQueue
+from cosystream.frontend.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
+from cosystream.frontend.snapshot import Snapshot, SnapshotError
+from cosystream.frontend.tracing import TracingConfig, UtteranceTracer
+from cosystream.frontend.usage import Lease, UsageExceeded
 from cosystream.metrics import FrontendMetrics
 from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 from cosystream.server.auth import current_token
-from cosystream.server.engine_client import Engine
-from cosystream.server.engine_pool import EnginePool
-from cosystream.server.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, FinalPass
 from cosystream.server.forward import Peers, forward, token_frontend
 from cosystream.server.loop_lag import ADMIT_LAG_S, LoopLag
-from cosystream.server.model_decoders import ModelDecoders
-from cosystream.server.quota import Claim, QuotaExceeded, TokenSessions
-from cosystream.server.responses import DEFAULT_MAX_ITEMS, ResponseQueue
 from cosystream.server.retry import retry_metadata
-from cosystream.server.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
-from cosystream.server.snapshot import Snapshot, SnapshotError
-from cosystream.server.tracing import TracingConfig, UtteranceTracer
-from cosystream.server.usage import Lease, UsageExceeded
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
@@ -116,7 +116,7 @@ class StreamOptions:
     admit_lag_s: float = ADMIT_LAG_S
     # Named vocabularies (serve --vocabulary NAME=FILE): name -> its phrases (decoding.phrases.read_vocabulary).
     vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
-    # Per-utterance traces over OTLP (serve --otlp-endpoint, --trace-sample; tracing.py); None: off.
+    # Per-utterance traces over OTLP (serve --otlp-endpoint, --trace-sample; frontend/tracing.py); None: off.
     tracing: TracingConfig | None = None
     # How long a resumable session whose connection dropped is held for its client to resume it.
     resume_window_s: float = RESUME_WINDOW_S
@@ -124,7 +124,7 @@ class StreamOptions:
     # landed on another frontend is passed to the one holding its session; and this frontend's index.
     peers: tuple[str, ...] = ()
     frontend_index: int = 0
-    # The key replicas share to sign session snapshots (serve --resume-key-file; snapshot.py): a drain hands
+    # The key replicas share to sign session snapshots (serve --resume-key-file; frontend/snapshot.py): a drain hands
     # resumable sessions over to another replica, and Control.SNAPSHOT asks for it. None: neither.
     resume_key: bytes | None = field(default=None, repr=False)
 
@@ -587,7 +587,7 @@ class _Stream:
                 self._check_handover()
             self._check_done()
 
-    # --- handing the session over to another server (snapshot.py) ---
+    # --- handing the session over to another server (frontend/snapshot.py) ---
 
     def hand_over(self, ending: object) -> None:
         """At the session's next utterance boundary (now, if it is at one), send its snapshot, then end:
@@ -908,7 +908,7 @@ class CosyStreamServicer(pb_grpc.CosyStreamServicer):
     ):
         """``token_sessions``: the per-token session counts shared by the server's frontends;
         ``second_pass``: the frontend's second-pass worker (finals from it), None: off; ``tracer``: utterances
-        are traced (``tracing.py``), None: off."""
+        are traced (``frontend/tracing.py``), None: off."""
         self.engine = engine
         self.token_sessions = token_sessions or TokenSessions()
         self.options = options

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from cosystream.frontend.quota import Held, OwnerLimit, QuotaExceeded
 from cosystream.server.auth import UNAUTHENTICATED_HELP, AuthError, Token, TokenStore
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.errors import ApiError
@@ -53,7 +54,6 @@ from cosystream.server.http.secrets import (
     outstanding_limit,
 )
 from cosystream.server.http.transcriptions import Transcriber
-from cosystream.server.quota import Held, OwnerLimit, QuotaExceeded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.server.tls import ReloadingSSLContext, TlsConfig
 from cosystream.v1.webhook import WebhookPoster

@@ -9,9 +9,9 @@ the page, which presents it in the WebSocket's subprotocols (``openai-insecure-a
 A secret is ``ek_`` + base64url(nonce, expiry, HMAC-SHA256 of those) under a key made at start-up and
 shared by every frontend, so any frontend can check one that another issued. Issuing it records its nonce
 in shared memory with the digest of the token it was issued for (:meth:`TokenSessions.issue_secret
-<cosystream.server.quota.TokenSessions.issue_secret>`); spending it, on opening a connection, frees that
+<cosystream.frontend.quota.TokenSessions.issue_secret>`); spending it, on opening a connection, frees that
 row, so it opens one connection. A token holds at most :func:`outstanding_limit` secrets unspent and
-unexpired (beyond, :class:`~cosystream.server.quota.OwnerLimit`: 429), so no token can fill the table that
+unexpired (beyond, :class:`~cosystream.frontend.quota.OwnerLimit`: 429), so no token can fill the table that
 the others need. A secret carries its token's rights (priorities, session quota, checked as for the token
 itself), and stops working when the token is revoked from the tokens file or given a new value: it is
 bound to the token's digest, not its name.
@@ -26,8 +26,8 @@ import os
 import struct
 import time
 
+from cosystream.frontend.quota import NONCE_BYTES, TokenSessions
 from cosystream.server.auth import Token, TokenStore
-from cosystream.server.quota import NONCE_BYTES, TokenSessions
 
 PREFIX = "ek_"
 DEFAULT_TTL_S = 60
@@ -60,8 +60,8 @@ class ClientSecrets:
 
     def issue(self, token: Token, ttl_s: int = DEFAULT_TTL_S) -> tuple[str, int]:
         """A new secret for ``token`` and its expiry (Unix seconds). Raises
-        :class:`~cosystream.server.quota.OwnerLimit` when the token holds :func:`outstanding_limit` secrets
-        already, :class:`~cosystream.server.quota.QuotaExceeded` when the server's table is full."""
+        :class:`~cosystream.frontend.quota.OwnerLimit` when the token holds :func:`outstanding_limit` secrets
+        already, :class:`~cosystream.frontend.quota.QuotaExceeded` when the server's table is full."""
         now = time.time()
         expires_at = int(now) + ttl_s
         nonce = os.urandom(NONCE_BYTES)

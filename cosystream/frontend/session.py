@@ -36,8 +36,8 @@ from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.headroom import THIN_INTERIM_MS
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
-from cosystream.server.final_pass import STREAMING, FinalPass, Held
-from cosystream.server.tracing import UtteranceTrace, UtteranceTracer
+from cosystream.frontend.final_pass import STREAMING, FinalPass, Held
+from cosystream.frontend.tracing import UtteranceTrace, UtteranceTracer
 from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class SessionConfig:
     hotwords: str = ""  # the phrases as sent, for the second pass's prompt
     boosting: object = None  # what the phrases made for the session's model (decoding.phrases.Boosting)
     resumable: bool = False  # held for the resume window when its connection drops (StreamingConfig.resumable)
-    # Where a session resumed from another server's snapshot (server/snapshot.py) goes on: the frame its first
+    # Where a session resumed from another server's snapshot (frontend/snapshot.py) goes on: the frame its first
     # audio is in the stream's timeline, the next utterance's index, the responses already sent, and the input
     # samples of the resumed audio the snapshot's offset says to skip. All 0 for a new session.
     first_frame: int = 0
@@ -112,7 +112,7 @@ class AudioPacer:
 
 
 class EngineLink:
-    """What a session needs from the engine channel (``server/engine_client.py`` implements it)."""
+    """What a session needs from the engine channel (``frontend/engine_client.py`` implements it)."""
 
     def send_frames(self, key: int, frames: np.ndarray) -> None: ...
 
@@ -286,7 +286,7 @@ class Session:
         return self._endpointer.resume_frame
 
     def boundary(self) -> tuple[int, int] | None:
-        """Where a snapshot of this session may be taken now (``server/snapshot.py``): the frame a session on
+        """Where a snapshot of this session may be taken now (``frontend/snapshot.py``): the frame a session on
         another server starts from to decide as this one would, and the next utterance's index; None while an
         utterance is under way (or a speech run begins) or a final is still to be sent."""
         if not self.done or not self._endpointer.between_utterances:

@@ -16,7 +16,7 @@ is a new owner), so a per-token limit is one vector compare under the lock, and 
 that the others need.
 
 It also holds the audio each token name has sent, for its per-minute and per-day limits
-(:mod:`cosystream.server.usage`); the supervisor keeps it across frontend restarts and token reloads.
+(:mod:`cosystream.frontend.usage`); the supervisor keeps it across frontend restarts and token reloads.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosystream.server.usage import Lease, UsageLimits, UsageTable
+from cosystream.frontend.usage import Lease, UsageLimits, UsageTable
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class TokenSessions:
         return Claim(self, slot)
 
     def audio_lease(self, name: str, limits: UsageLimits) -> Lease:
-        """A stream's audio counted against ``name``'s ``limits`` (:mod:`cosystream.server.usage`)."""
+        """A stream's audio counted against ``name``'s ``limits`` (:mod:`cosystream.frontend.usage`)."""
 
         def reserve(want_s: float, debt_s: float, now: float) -> float:
             with self._locked():

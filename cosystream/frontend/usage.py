@@ -1,7 +1,7 @@
 """Audio seconds per token, per minute and per day (``max_audio_s_per_min=``, ``max_audio_s_per_day=``).
 
 Counted across every frontend process of one server, in the same shared memory as the session counts
-(:class:`~cosystream.server.quota.TokenSessions` holds the table and its lock): a row per token name, with
+(:class:`~cosystream.frontend.quota.TokenSessions` holds the table and its lock): a row per token name, with
 the audio charged in each of the last 60 seconds (the minute is a sliding window: at most N seconds of audio
 in any 60 s) and the audio charged on the current UTC day (a fixed window: it starts again at midnight UTC).
 Rows are keyed by name, not by secret, and live in the supervisor's memory, so a SIGHUP reload that gives a

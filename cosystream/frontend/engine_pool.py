@@ -1,8 +1,8 @@
 """Several engine processes behind one frontend (``serve --engines N``, ``--device cuda:all``): one engine per
 device, each with its own slots, slabs and captured graphs.
 
-:class:`EnginePool` is an :class:`~cosystream.server.engine_client.Engine` over one
-:class:`~cosystream.server.engine_client.EngineClient` per engine. A new session goes to the least-loaded
+:class:`EnginePool` is an :class:`~cosystream.frontend.engine_client.Engine` over one
+:class:`~cosystream.frontend.engine_client.EngineClient` per engine. A new session goes to the least-loaded
 engine that is up and serves its model (the engine's own count of its sessions, from every frontend, plus
 what this frontend placed there since that count came); every later call of the session follows it. An
 engine that dies ends only its own sessions (UNAVAILABLE); the others go on, and new sessions go to them
@@ -26,7 +26,7 @@ import numpy as np
 from cosystream.engine import ipc
 from cosystream.engine.headroom import LoadReport
 from cosystream.engine.scheduler import Priority
-from cosystream.server.engine_client import EngineClient, LoadResult, ModelLoadError, SessionSink
+from cosystream.frontend.engine_client import EngineClient, LoadResult, ModelLoadError, SessionSink
 
 log = logging.getLogger(__name__)
 
