@@ -107,7 +107,7 @@ def run(pcm: bytes, rate: int, condition: str) -> dict:
     if tracer is not None:
         tracer.shutdown()
     audio_s = len(pcm) / (2 * rate)
-    finals = sum(1 for r in responses for x in r.results if x.is_final)
+    finals = sum(1 for r in responses if r.result is not None and r.result.is_final)
     return {
         "cpu_ms_per_audio_s": 1000 * cpu_s / audio_s,
         "finals": finals,

@@ -42,14 +42,14 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"models", "base"},
     "engine": {"runtime", "models", "base"},
     "secondpass": {"decoding", "base"},
-    "frontend": {"engine", "audio", "decoding", "secondpass", "base", "api"},
+    "frontend": {"engine", "audio", "decoding", "secondpass", "base"},
     "server": {"frontend", "engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
     "app": {"server", "frontend", "engine", "runtime", "models", "audio", "decoding", "secondpass", "base", "api"},
 }
 # Third-party packages a layer must not import: no transport below the server (grpc, google.protobuf and
 # google.rpc), and the second pass's worker process stays small (no torch).
 _TRANSPORT = ("grpc", "google")
-_BELOW_SERVER = ("engine", "runtime", "models", "audio", "decoding", "base")
+_BELOW_SERVER = ("frontend", "engine", "runtime", "models", "audio", "decoding", "base")
 FORBIDDEN: dict[str, tuple[str, ...]] = {layer: _TRANSPORT for layer in _BELOW_SERVER}
 FORBIDDEN["secondpass"] = ("torch", *_TRANSPORT)
 _SUBPACKAGE_LAYERS = {"v1": "api", "app": "app", "server": "server", "engine": "engine", "runtime": "runtime"}
@@ -59,7 +59,7 @@ TREES = ("cosystream", "training", "benchmarks", "clients")
 # What a frontend process imports, and the packages it must never load: its entry point, and every module of
 # the layers it runs (the engine's IPC messages and process settings are its only modules of the engine).
 FRONTEND_MODULES = ("cosystream.app.frontend_process", "cosystream.engine.ipc", "cosystream.engine.prctl")
-BELOW_THE_SERVER = ("cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
+BELOW_THE_SERVER = ("cosystream.frontend", "cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
 FRONTEND_PACKAGES = ("cosystream.server", *BELOW_THE_SERVER)
 NEVER_IN_A_FRONTEND = ("torch",)
 NEVER_BELOW_THE_SERVER = ("torch", "grpc", "google")

@@ -106,8 +106,8 @@ class _Recorder:
 
 def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_is_read_again():
     from cosystream.frontend.final_pass import FinalPass
+    from cosystream.frontend.results import Result, Word
     from cosystream.secondpass.whisper import SecondPassResult
-    from cosystream.v1 import cosystream_pb2 as pb
 
     second, answered = _Recorder(), []
     final_pass = FinalPass(
@@ -116,11 +116,10 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
     frames = np.full((4, 160), 0.5, np.float32)
     for _ in range(3):  # 12 frames: over the cap of 10
         final_pass.keep(frames)
-    result = pb.StreamingResult(transcript="streamed", is_final=True, final_pass="streaming")
+    result = Result("streamed", True, 1.0, 0, 0, 0, final_pass="streaming")
     assert final_pass.take(0, result) is None and second.jobs == []  # the streaming final, now
     final_pass.keep(frames)  # the next utterance, within the cap
-    result = pb.StreamingResult(transcript="hallo", is_final=True, start_ms=1000, end_ms=2000)
-    result.words.extend([pb.WordInfo(word="hallo", start_ms=1000, end_ms=2000)])
+    result = Result("hallo", True, 1.0, 1000, 2000, 1, words=[Word("hallo", 1000, 2000)])
     held = final_pass.take(1, result)
     assert held is not None and not held.answered and len(second.jobs) == 1
     key, index, audio, realtime, on_done = second.jobs[0]
@@ -128,7 +127,7 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
     assert audio[0] == 16384
     # a third utterance ends before the second's answer: both wait, each for its own
     final_pass.keep(frames)
-    third = final_pass.take(2, pb.StreamingResult(transcript="streamed again", is_final=True))
+    third = final_pass.take(2, Result("streamed again", True, 1.0, 0, 0, 2))
     assert third is not None and len(second.jobs) == 2
     on_done(SecondPassResult("hello there", no_speech_prob=0.1, avg_logprob=-0.2))
     assert answered == [1] and held.answered and not third.answered
@@ -142,12 +141,11 @@ def test_an_utterance_past_the_audio_cap_keeps_its_streaming_final_and_the_next_
 
 def test_a_second_pass_final_has_its_own_transcript_as_its_one_alternative():
     from cosystream.frontend.final_pass import Held
+    from cosystream.frontend.results import Alternative, Result
     from cosystream.secondpass.whisper import SecondPassResult
-    from cosystream.v1 import cosystream_pb2 as pb
 
-    result = pb.StreamingResult(transcript="the cat", is_final=True, start_ms=0, end_ms=1000)
-    result.alternatives.add(transcript="the cat", confidence=0.8)
-    result.alternatives.add(transcript="the bat", confidence=0.5)
+    result = Result("the cat", True, 1.0, 0, 1000, 0)
+    result.alternatives = [Alternative("the cat", 0.8), Alternative("the bat", 0.5)]
     held = Held(result, punctuation=False, audio_start_ms=0, word_times=False)
     held.answer(SecondPassResult("the hat", 0.0, -0.1, written="The hat."))
     assert [a.transcript for a in held.result.alternatives] == ["the hat"]
@@ -156,8 +154,8 @@ def test_a_second_pass_final_has_its_own_transcript_as_its_one_alternative():
 
 def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_words():
     from cosystream.frontend.final_pass import Held
+    from cosystream.frontend.results import Result, Word
     from cosystream.secondpass.whisper import SecondPassResult, merge_words
-    from cosystream.v1 import cosystream_pb2 as pb
 
     # Whisper's word tokens: punctuation and a contraction's tail go with the word before them
     tokens = [("Call", 0.1, 0.3), ("me", 0.3, 0.4), ("at", 0.4, 0.5), ("5", 0.5, 0.7), ("o", 0.7, 0.75)]
@@ -165,10 +163,8 @@ def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_wo
     assert words[-2:] == (("5", 0.5, 0.7), ("o'clock.", 0.7, 0.9))
     answer = SecondPassResult("call me at five o'clock", 0.0, -0.1, written="Call me at 5 o'clock.", words=words)
 
-    def final() -> pb.StreamingResult:
-        result = pb.StreamingResult(transcript="streamed", is_final=True, start_ms=1050, end_ms=2000)
-        result.words.extend([pb.WordInfo(word="streamed", start_ms=1050, end_ms=2000)])
-        return result
+    def final() -> Result:
+        return Result("streamed", True, 1.0, 1050, 2000, 0, words=[Word("streamed", 1050, 2000)])
 
     spoken = Held(final(), punctuation=False, audio_start_ms=1000, word_times=True)
     spoken.answer(answer)
@@ -186,7 +182,7 @@ def test_word_times_come_from_whispers_alignment_and_are_shared_by_the_spoken_wo
     assert [w.word for w in written.result.words] == ["Call", "me", "at", "5", "o'clock."]
     assert written.result.transcript == "Call me at 5 o'clock."
     # a streaming final that heard no word still gets Whisper's, timed
-    silent = Held(pb.StreamingResult(is_final=True, start_ms=1050, end_ms=2000), False, 1000, word_times=True)
+    silent = Held(Result("", True, 1.0, 1050, 2000, 0), False, 1000, word_times=True)
     silent.answer(answer)
     assert [w.word for w in silent.result.words] == ["call", "me", "at", "five", "o'clock"]
     # no alignment: spread over the utterance's span

@@ -1,5 +1,5 @@
 """``Session`` on its own: a fake engine that answers when the test says so, a fake clock, real webrtcvad,
-no gRPC and no espeak-ng. Pins the event contract and the session's limits."""
+no gRPC (its plain results) and no espeak-ng. Pins the event contract and the session's limits."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.headroom import THIN_INTERIM_MS
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_SAMPLES
+from cosystream.frontend.results import EventType, Response, Result
 from cosystream.frontend.session import END_CONTEXT_FRAMES, Session, SessionConfig
-from cosystream.v1 import cosystream_pb2 as pb
 from tests.conftest import speech_like
 
 VOCABULARY = ["_", " ", "a", "b"]
-STARTED, ENDED = pb.SpeechEvent.SPEECH_STARTED, pb.SpeechEvent.SPEECH_ENDED
 
 
 class FakeEngine:
@@ -65,7 +64,7 @@ class Clock:
         return self.now
 
 
-def make_session(**kwargs) -> tuple[Session, FakeEngine, list[pb.StreamingRecognizeResponse]]:
+def make_session(**kwargs) -> tuple[Session, FakeEngine, list[Response]]:
     engine, emitted = FakeEngine(), []
     config = SessionConfig(
         encoding=AudioEncoding.LINEAR16,
@@ -98,13 +97,13 @@ def feed(session: Session, engine: FakeEngine, audio: np.ndarray, answer: bool =
             engine.answer()
 
 
-def kinds(emitted: list[pb.StreamingRecognizeResponse]) -> list[str]:
+def kinds(emitted: list[Response]) -> list[str]:
     out = []
     for response in emitted:
-        if response.HasField("speech_event"):
-            out.append("started" if response.speech_event.type == STARTED else "ended")
-        for result in response.results:
-            out.append("final" if result.is_final else "interim")
+        if response.event is not None:
+            out.append("started" if response.event.type == EventType.SPEECH_STARTED else "ended")
+        if response.result is not None:
+            out.append("final" if response.result.is_final else "interim")
     return out
 
 
@@ -114,7 +113,7 @@ def test_one_utterance_follows_the_event_contract():
     events = kinds(emitted)
     assert events[0] == "started" and events[-2:] == ["ended", "final"], events
     assert set(events[1:-2]) <= {"interim"} and "interim" in events
-    final = emitted[-1].results[0]
+    final = emitted[-1].result
     assert final.transcript and final.utterance_index == 0 and final.start_ms >= 400
     assert engine.log[-1] == "reset" and engine.resets == 1  # the model state is reset after the final
     assert session.done
@@ -136,13 +135,13 @@ class TalkingEngine(FakeEngine):
 
 
 def test_thinned_interims_come_at_most_every_500_ms_of_audio_and_the_final_is_the_same():
-    def results(thin: bool) -> list[pb.StreamingResult]:
+    def results(thin: bool) -> list[Result]:
         session, _, emitted = make_session()
         engine = session.engine = TalkingEngine()
         engine.session = session
         session.thin_interims = thin  # (the engine sheds interims under load: engine/headroom.py)
         feed(session, engine, talk())
-        return [r for response in emitted for r in response.results]
+        return [response.result for response in emitted if response.result is not None]
 
     full, thinned = results(False), results(True)
     interims = [r.end_ms for r in thinned if not r.is_final]
@@ -235,7 +234,7 @@ def test_every_frame_goes_to_the_engine_at_most_once():
     engine.answer()
     audio_frames = engine.frames_sent - engine.silence_frames
     assert audio_frames <= len(audio) // FRAME_SAMPLES + 50 + 20  # speech, pre-roll, hangover
-    finals = [r.results[0] for r in emitted if r.results and r.results[0].is_final]
+    finals = [r.result for r in emitted if r.result is not None and r.result.is_final]
     assert [f.utterance_index for f in finals] == list(range(len(finals)))
 
 
@@ -272,7 +271,7 @@ def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_strea
     second.jobs[0][1](SecondPassResult("one", no_speech_prob=0.0, avg_logprob=-0.1))
     events = kinds(emitted)
     assert events.count("final") == 2 and events[-1] == "final" and session.done
-    finals = [r.results[0] for r in emitted if r.results and r.results[0].is_final]
+    finals = [r.result for r in emitted if r.result is not None and r.result.is_final]
     assert [(f.utterance_index, f.transcript, f.final_pass) for f in finals] == [
         (0, "one", "second_pass"),
         (1, "two", "second_pass"),

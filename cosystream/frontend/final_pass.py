@@ -26,9 +26,9 @@ from collections.abc import Callable
 import numpy as np
 
 from cosystream.decoding.text import spoken_form
+from cosystream.frontend.results import Alternative, Result, Word
 from cosystream.secondpass.whisper import SecondPassResult
 from cosystream.secondpass.worker import SecondPass
-from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class FinalPass:
         self._chunks.append((np.clip(frames, -1, 1 - 1 / 32768) * 32768).astype(np.int16).reshape(-1))
         self._frames += len(frames)
 
-    def take(self, index: int, result: pb.StreamingResult, audio_start_ms: int = 0) -> Held | None:
+    def take(self, index: int, result: Result, audio_start_ms: int = 0) -> Held | None:
         """Utterance ``index`` ended and ``result`` is its streaming final: submit its audio, whose first sample
         is at ``audio_start_ms`` in the stream. Returns the held final (send it once :attr:`Held.answered`), or
         None when it may be sent now (refused, too long, or nothing heard: the streaming final)."""
@@ -121,9 +121,7 @@ class Held:
 
     __slots__ = ("answered", "audio_start_ms", "punctuation", "result", "word_times")
 
-    def __init__(
-        self, result: pb.StreamingResult, punctuation: bool, audio_start_ms: int = 0, word_times: bool = False
-    ):
+    def __init__(self, result: Result, punctuation: bool, audio_start_ms: int = 0, word_times: bool = False):
         self.result, self.punctuation, self.audio_start_ms = result, punctuation, audio_start_ms
         self.word_times = word_times  # (a streaming final with no words, because it heard none, gets Whisper's)
         self.answered = False
@@ -142,16 +140,9 @@ class Held:
         result.transcript = answer.written if self.punctuation else answer.text
         result.confidence = math.exp(min(0.0, answer.avg_logprob))
         if self.word_times:
-            del result.words[:]
-            result.words.extend(
-                pb.WordInfo(word=word, start_ms=start, end_ms=end, confidence=result.confidence)
-                for word, start, end in self._timed(answer)
-            )
+            result.words = [Word(word, start, end, result.confidence) for word, start, end in self._timed(answer)]
         if result.alternatives:  # the streaming beam's n-best read other words: the second pass's text alone
-            del result.alternatives[:]
-            result.alternatives.add(transcript=result.transcript, confidence=result.confidence).words.extend(
-                result.words
-            )
+            result.alternatives = [Alternative(result.transcript, result.confidence, list(result.words))]
 
     def _timed(self, answer: SecondPassResult) -> list[tuple[str, int, int]]:
         """The final's words with their spans (ms in the stream), within the utterance's."""

@@ -12,18 +12,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.frontend.results import Response
 
 DEFAULT_MAX_ITEMS = 32
 
 
 def _interim_utterance(item: object) -> int | None:
-    """The utterance index of an interim-only response, else None."""
-    if isinstance(item, pb.StreamingRecognizeResponse) and item.results and not item.HasField("speech_event"):
-        result = item.results[0]
-        if not result.is_final:
-            return result.utterance_index
-    return None
+    """The utterance index of an interim (a session's :class:`Response`), else None."""
+    return item.interim_of if isinstance(item, Response) else None
 
 
 class ResponseQueue:

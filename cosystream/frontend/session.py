@@ -37,8 +37,8 @@ from cosystream.engine.headroom import THIN_INTERIM_MS
 from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
 from cosystream.frontend.final_pass import STREAMING, FinalPass, Held
+from cosystream.frontend.results import Alternative, EventType, Latency, Response, Result, SpeechEvent, Word
 from cosystream.frontend.tracing import UtteranceTrace, UtteranceTracer
-from cosystream.v1 import cosystream_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class _Utterance:
 
 
 class Session:
-    """One stream. ``emit`` receives each response; ``engine`` takes its frames and resets."""
+    """One stream. ``emit`` receives each response (``results.py``: a transport maps it to its messages);
+    ``engine`` takes its frames and resets."""
 
     def __init__(
         self,
@@ -173,7 +174,7 @@ class Session:
         config: SessionConfig,
         decoder: CtcDecoder | BeamCtcDecoder,
         engine: EngineLink,
-        emit: Callable[[pb.StreamingRecognizeResponse], None],
+        emit: Callable[[Response], None],
         max_in_flight_frames: int = 128,
         on_first_result: Callable[[float], None] | None = None,
         on_result_latency: Callable[[float], None] | None = None,
@@ -230,7 +231,7 @@ class Session:
         self._last_compute_s = 0.0
         # Responses behind a final held for the second pass, in order: (response, receive time, its Held if a
         # held final, else None). Empty without a second pass.
-        self._held: deque[tuple[pb.StreamingRecognizeResponse, float, Held | None]] = deque()
+        self._held: deque[tuple[Response, float, Held | None]] = deque()
 
     def use_model(
         self, decoder: CtcDecoder | BeamCtcDecoder, name: str, version: str, output_delay_frames: int
@@ -333,7 +334,7 @@ class Session:
                 self._utterances += 1
                 if self.tracer is not None:
                     self._utterance.trace = self._start_trace(self._utterance)
-                self._event(pb.SpeechEvent.SPEECH_STARTED, payload.start_ms, received_s)
+                self._event(EventType.SPEECH_STARTED, payload.start_ms, received_s)
             elif kind == _FRAMES:
                 utterance = self._utterance
                 room = self.max_in_flight_frames - (utterance.sent - utterance.received)
@@ -359,7 +360,7 @@ class Session:
                     if utterance.trace is not None:
                         reason = str(payload.end_reason or "")
                         utterance.trace.endpoint(reason, received_s)
-                    self._event(pb.SpeechEvent.SPEECH_ENDED, payload.end_ms, received_s)
+                    self._event(EventType.SPEECH_ENDED, payload.end_ms, received_s)
                 if not utterance.flushed and utterance.sent:
                     # The model's last words need context after them: the VAD's silence hangover gives it;
                     # an utterance ended early (FINALIZE, half-close, length limit) gets silence instead.
@@ -433,42 +434,36 @@ class Session:
 
     # --- responses ---------------------------------------------------------------------------------
 
-    def _latency(self, received_s: float) -> pb.Latency:
+    def _latency(self, received_s: float) -> Latency:
         utterance = self._utterance
         if utterance is None:
             processed = self._endpointer.frames_seen
         else:  # (the flush's silence is not audio)
             processed = min(utterance.first_frame + utterance.received, self._endpointer.frames_seen)
-        return pb.Latency(
+        return Latency(
             audio_processed_ms=processed * FRAME_MS,
             queue_ms=self._last_queue_s * 1e3,
             compute_ms=self._last_compute_s * 1e3,
             receive_to_send_ms=(self.clock() - received_s) * 1e3,
         )
 
-    def _event(self, kind: int, offset_ms: int, received_s: float) -> None:
-        self._send(
-            pb.StreamingRecognizeResponse(
-                speech_event=pb.SpeechEvent(type=kind, offset_ms=offset_ms),
-                latency=self._latency(received_s),
-                session_id=self.session_id,
-            ),
-            received_s,
-        )
+    def _event(self, kind: EventType, offset_ms: int, received_s: float) -> None:
+        event = SpeechEvent(kind, offset_ms)
+        self._send(Response(self.session_id, self._latency(received_s), event=event), received_s)
 
-    def _send(self, response: pb.StreamingRecognizeResponse, received_s: float, held: Held | None = None) -> None:
+    def _send(self, response: Response, received_s: float, held: Held | None = None) -> None:
         """Send ``response`` now, or queue it behind a final held for the second pass (``held``: this one is)."""
         if self._held or held is not None:
             self._held.append((response, received_s, held))
         else:
             self._send_now(response, received_s)
 
-    def _send_now(self, response: pb.StreamingRecognizeResponse, received_s: float) -> None:
-        if response.results:
+    def _send_now(self, response: Response, received_s: float) -> None:
+        if response.result is not None:
             response.latency.receive_to_send_ms = (self.clock() - received_s) * 1e3
             if self.on_result_latency is not None:
                 self.on_result_latency(response.latency.receive_to_send_ms / 1e3)
-            if self._final_traces and response.results[0].is_final:
+            if self._final_traces and response.result.is_final:
                 self._send_traced(response)
                 return
         self.emit(response)
@@ -480,12 +475,12 @@ class Session:
         attributes = UtteranceTrace.attributes(self.session_id, utterance.index, priority, self.model_name)
         return self.tracer.start(utterance.started_s, attributes, self.trace_parent)
 
-    def _send_traced(self, response: pb.StreamingRecognizeResponse) -> None:
-        trace = self._final_traces.pop(response.results[0].utterance_index, None)
+    def _send_traced(self, response: Response) -> None:
+        trace = self._final_traces.pop(response.result.utterance_index, None)
         ready_s = self.clock()
         self.emit(response)
         if trace is not None:
-            trace.sent(ready_s, self.clock(), response.results[0])
+            trace.sent(ready_s, self.clock(), response.result)
 
     def _newest_arrival(self, utterance: _Utterance) -> float:
         """Receive time of the chunk that completed the newest frame with a result."""
@@ -503,7 +498,7 @@ class Session:
             end_ms = utterance.end.end_ms
         else:
             end_ms = max(utterance.first_frame + utterance.received - self.output_delay_frames, 0) * FRAME_MS
-        result = pb.StreamingResult(
+        result = Result(
             transcript=text,
             is_final=is_final,
             # Greedy output only grows; a beam search's best hypothesis may still change.
@@ -517,18 +512,18 @@ class Session:
             final_pass=STREAMING if is_final else "",
         )
         if self.config.word_time_offsets:
-            result.words.extend(self._word_infos(self._ctc.words()))
+            result.words = self._words(self._ctc.words())
         if is_final and self.config.max_alternatives > 1:
-            for alt in self._ctc.alternatives(self.config.max_alternatives):
-                entry = result.alternatives.add(transcript=alt.text, confidence=alt.confidence)
-                if self.config.word_time_offsets:
-                    entry.words.extend(self._word_infos(alt.words))
-        response = pb.StreamingRecognizeResponse(
-            results=[result], latency=self._latency(received_s), session_id=self.session_id
-        )
+            result.alternatives = [
+                Alternative(
+                    alt.text, alt.confidence, self._words(alt.words) if self.config.word_time_offsets else []
+                )
+                for alt in self._ctc.alternatives(self.config.max_alternatives)
+            ]
+        response = Response(self.session_id, self._latency(received_s), result=result)
         held = None
-        if is_final and self.final_pass is not None:  # (the response's copy of the result is the one changed)
-            held = self.final_pass.take(utterance.index, response.results[0], utterance.first_frame * FRAME_MS)
+        if is_final and self.final_pass is not None:  # (the held result is rewritten in place when answered)
+            held = self.final_pass.take(utterance.index, result, utterance.first_frame * FRAME_MS)
         if trace is not None:
             trace.decoded(decode_s, self.clock())
             trace.held = held is not None
@@ -538,17 +533,11 @@ class Session:
             if self.on_first_result is not None:
                 self.on_first_result(self.clock() - utterance.started_s)
 
-    def _word_infos(self, words) -> list[pb.WordInfo]:
+    def _words(self, words) -> list[Word]:
         """Decoded words as results carry them: moved back by the model's output delay."""
         delay_ms = self.output_delay_frames * FRAME_MS
         return [
-            pb.WordInfo(
-                word=w.word,
-                start_ms=max(w.start_ms - delay_ms, 0),
-                end_ms=max(w.end_ms - delay_ms, 0),
-                confidence=w.confidence,
-            )
-            for w in words
+            Word(w.word, max(w.start_ms - delay_ms, 0), max(w.end_ms - delay_ms, 0), w.confidence) for w in words
         ]
 
     def _final(self, utterance: _Utterance) -> None:

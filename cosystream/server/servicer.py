@@ -47,6 +47,7 @@ from cosystream.frontend.final_pass import MAX_AUDIO_S, SECOND_PASS, STREAMING, 
 from cosystream.frontend.model_decoders import ModelDecoders
 from cosystream.frontend.quota import Claim, QuotaExceeded, TokenSessions
 from cosystream.frontend.responses import DEFAULT_MAX_ITEMS, ResponseQueue
+from cosystream.frontend.results import Response
 from cosystream.frontend.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
 from cosystream.frontend.snapshot import Snapshot, SnapshotError
 from cosystream.frontend.tracing import TracingConfig, UtteranceTracer
@@ -56,6 +57,7 @@ from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 from cosystream.server.auth import current_token
 from cosystream.server.forward import Peers, forward, token_frontend
 from cosystream.server.loop_lag import ADMIT_LAG_S, LoopLag
+from cosystream.server.messages import response_message
 from cosystream.server.retry import retry_metadata
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
@@ -489,8 +491,11 @@ class _Stream:
         start before it (a pre-roll): a client that keeps the audio from here can resume on any server."""
         return min(self.consumed_samples, self.session.resume_frame * self.frame_samples)
 
-    def stamp(self, response: pb.StreamingRecognizeResponse) -> pb.StreamingRecognizeResponse:
-        """Number a resumable stream's response, say how much input it has consumed, and keep it to send again."""
+    def stamp(self, response: Response | pb.StreamingRecognizeResponse) -> pb.StreamingRecognizeResponse:
+        """The message of the session's ``response`` (or one of the stream's own): numbered if the stream is
+        resumable, saying how much input it has consumed, and kept to send again."""
+        if isinstance(response, Response):
+            response = response_message(response)
         if self.resume_token:
             self.response_index += 1
             response.response_index = self.response_index
