@@ -18,8 +18,8 @@ import grpc
 
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
-from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 
 

@@ -30,9 +30,9 @@ from selenium.webdriver.common.by import By
 
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig
-from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.speech import encode, needs_espeak, silence, speech

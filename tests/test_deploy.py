@@ -39,8 +39,9 @@ from referencing import Registry, Resource
 
 from cosystream.app.cli import build_parser
 from cosystream.engine.headroom import ADMIT_LOAD
+from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import SERVICE_NAME, FrontendConfig
-from cosystream.server.servicer import CosyStreamServicer, StreamOptions
+from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import Served

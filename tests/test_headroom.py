@@ -272,7 +272,7 @@ def test_a_loaded_server_refuses_realtime_with_a_retry_delay_serves_batch_and_re
 def test_the_loop_lag_is_the_median_lateness_of_the_last_two_seconds():
     import asyncio
 
-    from cosystream.server.loop_lag import PROBE_S, WINDOW_S, LoopLag
+    from cosystream.frontend.loop_lag import PROBE_S, WINDOW_S, LoopLag
 
     async def measure(block_s: float) -> float:
         lag = LoopLag()
@@ -292,8 +292,8 @@ def test_the_loop_lag_is_the_median_lateness_of_the_last_two_seconds():
 def test_a_frontend_behind_refuses_realtime_with_a_retry_delay_and_serves_batch():
     from cosystream.app.local import LocalServer
     from cosystream.engine.core import EngineConfig as Engine
+    from cosystream.frontend.host import StreamOptions
     from cosystream.server.frontend import FrontendConfig
-    from cosystream.server.servicer import StreamOptions
 
     # A limit no loop meets (any wake-up is later than 1 us): the frontend counts as behind once it has sampled.
     stream = StreamOptions(idle_timeout_s=5.0, admit_lag_s=1e-6)

@@ -14,9 +14,9 @@ import pytest
 from cosystream.app.cli import build_parser
 from cosystream.app.supervisor import RestartPolicy
 from cosystream.audio.endpointing import EndpointingConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig
-from cosystream.server.servicer import StreamOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,10 +24,10 @@ from openai import AsyncOpenAI, OpenAI
 
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.secrets import ClientSecrets
-from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import Served

@@ -15,12 +15,12 @@ import pytest
 
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.frontend.quota import NONCE_BYTES, QuotaExceeded, TokenSessions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.app import WEBSOCKETS_PER_SESSION
 from cosystream.server.http.secrets import SECRETS_PER_SESSION
-from cosystream.server.servicer import StreamOptions
 
 SMALL = "small-0123456789abcdef0123"  # max_sessions=2
 ADMIN = "admin-0123456789abcdef0123"

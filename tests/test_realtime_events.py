@@ -15,9 +15,9 @@ import websockets
 
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig
-from cosystream.server.servicer import StreamOptions
 from tests.speech import encode, needs_espeak, silence, speech
 from tests.test_http import appends, events_until, pcm_session, wait_no_sessions, ws_url
 

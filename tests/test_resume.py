@@ -17,9 +17,9 @@ import pytest
 
 from cosystream.app.local import LocalServer
 from cosystream.engine.core import EngineConfig
+from cosystream.frontend.host import StreamOptions
 from cosystream.frontend.snapshot import Snapshot, SnapshotError
 from cosystream.server.frontend import FrontendConfig
-from cosystream.server.servicer import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from cosystream.v1.resume import DEFAULT_RESUME, ResumableStream, ResumePolicy

@@ -471,10 +471,10 @@ def server():
     from cosystream.app.local import LocalServer
     from cosystream.decoding.phrases import normalize
     from cosystream.engine.core import EngineConfig
+    from cosystream.frontend.host import StreamOptions
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.http import HttpConfig
-    from cosystream.server.servicer import StreamOptions
 
     # A deadline no loaded test machine misses (the default is 3 s); one test shortens it.
     stream = StreamOptions(

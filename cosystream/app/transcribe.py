@@ -134,9 +134,9 @@ def transcribe_command(
         samples, rate = read_audio(path)  # before an in-process engine is started for it: a bad file fails at once
         if address is None:
             from cosystream.app.local import LocalServer
+            from cosystream.frontend.host import StreamOptions
             from cosystream.secondpass.worker import SecondPassConfig
             from cosystream.server.frontend import FrontendConfig
-            from cosystream.server.servicer import StreamOptions
 
             second_pass = None if final_model is None else SecondPassConfig(final_model)
             frontend = FrontendConfig(host="127.0.0.1", port=0, stream=StreamOptions(second_pass=second_pass))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosystream.frontend.usage import Lease, UsageLimits, UsageTable
+from cosystream.frontend.usage import NO_LIMITS, Lease, UsageLimits, UsageTable
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,22 @@ WEBSOCKET_SLOTS = 8192
 NONCE_BYTES = 16
 OWNER_BYTES = 32
 """A token's SHA-256 digest: what owns a row."""
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A caller, as one line of the tokens file (``server/auth.py`` reads them). ``priorities`` None: any; ``max_sessions`` None: no quota;
+    ``admin``: may make operator calls (the Admin service: loading and unloading models)."""
+
+    name: str
+    digest: bytes  # SHA-256 of the secret
+    max_sessions: int | None = None
+    priorities: frozenset[str] | None = None
+    admin: bool = False
+    usage: UsageLimits = NO_LIMITS  # audio seconds per minute and per day (none: not counted)
+
+    def allows(self, priority: str) -> bool:
+        return self.priorities is None or priority in self.priorities
 
 
 class QuotaExceeded(Exception):

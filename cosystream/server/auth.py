@@ -33,11 +33,11 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import grpc
 
-from cosystream.frontend.usage import NO_LIMITS, UsageLimits
+from cosystream.frontend.quota import Token
+from cosystream.frontend.usage import UsageLimits
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +52,6 @@ UNAUTHENTICATED_HELP = (
     "send the metadata header 'authorization: Bearer TOKEN' (or 'x-goog-api-key: TOKEN') with a token "
     "this server knows"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Token:
-    """One line of the tokens file. ``priorities`` None: any; ``max_sessions`` None: no quota;
-    ``admin``: may make operator calls (the Admin service: loading and unloading models)."""
-
-    name: str
-    digest: bytes  # SHA-256 of the secret
-    max_sessions: int | None = None
-    priorities: frozenset[str] | None = None
-    admin: bool = False
-    usage: UsageLimits = NO_LIMITS  # audio seconds per minute and per day (none: not counted)
-
-    def allows(self, priority: str) -> bool:
-        return self.priorities is None or priority in self.priorities
 
 
 class TokenFileError(ValueError):

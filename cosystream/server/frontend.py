@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cosystream.frontend.engine_client import Engine, EngineClient
 from cosystream.frontend.engine_pool import EnginePool
+from cosystream.frontend.host import StreamOptions
 from cosystream.frontend.quota import TokenSessions
 from cosystream.frontend.tracing import UtteranceTracer, start_tracing
 from cosystream.metrics import FrontendMetrics, SecondPassMetrics
@@ -32,7 +33,7 @@ from cosystream.server.admin import add_admin_service
 from cosystream.server.auth import AuthInterceptor, TokenStore
 from cosystream.server.compat import add_compat_services
 from cosystream.server.http import HttpConfig
-from cosystream.server.servicer import CosyStreamServicer, StreamOptions, thinning
+from cosystream.server.servicer import CosyStreamServicer, thinning
 from cosystream.server.tls import ReloadingCredentials, TlsConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc

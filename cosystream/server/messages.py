@@ -1,9 +1,16 @@
-"""A session's plain results (``frontend/results.py``) as the wire API's messages."""
+"""A session's plain results (``frontend/results.py``) as the wire API's messages, and its ends as gRPC's status
+codes."""
 
 from __future__ import annotations
 
+import grpc
+
 from cosystream.frontend.results import Response, Result, Word
+from cosystream.frontend.status import Status
 from cosystream.v1 import cosystream_pb2 as pb
+
+STATUS_CODES = {status: next(code for code in grpc.StatusCode if code.value[0] == status) for status in Status}
+"""The gRPC status code of each of the frontend's (they share their values)."""
 
 
 def response_message(response: Response) -> pb.StreamingRecognizeResponse:

@@ -1,30 +1,38 @@
-"""A native stream opened in-process: how the HTTP adapters use the servicer without a gRPC call.
+"""A native stream opened in-process: how the HTTP adapters run a session without a gRPC call.
 
-:class:`NativeStream` hands ``CosyStreamServicer.StreamingRecognize`` an async iterator of requests fed by
-:meth:`~NativeStream.send` (a bounded queue: a sender faster than its session is read waits, as gRPC flow
-control would make it) and a servicer context whose ``abort`` raises :class:`StreamEnded`. The responses
-come out of :meth:`~NativeStream.responses`; the stream's end is a :class:`StreamEnded` with the status
-(OK after the last final of a half-closed stream). Everything the native API does holds: validation,
-admission, quotas, endpointing, idle timeouts, drain, the engine slot freed on every exit path.
+:class:`NativeStream` validates a ``StreamingConfig``, has the frontend's host (``frontend/host.py``) admit
+and open its session, and feeds it what :meth:`~NativeStream.send_audio` and the others queue (a bounded
+queue: a sender faster than its session is read waits, as gRPC flow control would make it). The responses
+come out of :meth:`~NativeStream.responses` as the wire API's messages; the stream's end is a
+:class:`StreamEnded` with the status (OK after the last final of a half-closed stream). Everything the native
+API does holds: validation, admission, quotas, endpointing, idle timeouts, drain, the engine slot freed on
+every exit path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from cosystream.server.auth import Token, use_token
-from cosystream.server.retry import retry_after_s
-from cosystream.server.servicer import CosyStreamServicer
+from cosystream.frontend.live import DONE, LiveSession
+from cosystream.frontend.results import Response
+from cosystream.frontend.status import Ended, Refused, Status, draining
+from cosystream.server.auth import Token
+from cosystream.server.messages import STATUS_CODES, response_message
+from cosystream.server.servicer import CosyStreamServicer, session_config
 from cosystream.v1 import cosystream_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 QUEUED_REQUESTS = 64
-"""Requests queued for the servicer before :meth:`NativeStream.send` waits (~0.6-32 s of audio)."""
+"""Requests queued for the session before :meth:`NativeStream.send` waits (~0.6-32 s of audio)."""
 
 _HALF_CLOSE = object()
+_FINALIZE = object()
 
 
 class StreamEnded(Exception):
@@ -37,48 +45,30 @@ class StreamEnded(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
 
-
-class _Context:
-    """The part of a ``grpc.aio.ServicerContext`` the servicer uses."""
-
-    def __init__(self):
-        self.session_id = ""
-        self.answered = asyncio.Event()  # the config was accepted (a session id) or the stream ended
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        self.answered.set()
-        raise StreamEnded(code, details, retry_after_s(trailing_metadata))
-
-    async def send_initial_metadata(self, metadata) -> None:
-        self.session_id = dict(metadata).get("cosystream-session-id", "")
-        self.answered.set()
+    @classmethod
+    def of(cls, end: Ended) -> StreamEnded:
+        return cls(STATUS_CODES[end.status], end.message, end.retry_after_s)
 
 
 class NativeStream:
-    """One ``StreamingRecognize`` of ``servicer``, driven from this process (a task of its event loop).
-
-    Call :meth:`responses` from the task (or a task started by it) that should carry ``token``: the servicer
-    reads the caller's token from the task's context.
-    """
+    """One session of ``servicer``'s host, driven from this process (a task of its event loop), for ``token``
+    (None: authentication is off)."""
 
     def __init__(self, servicer: CosyStreamServicer, config: pb.StreamingConfig, token: Token | None):
-        self._servicer = servicer
+        self._host = servicer
         self._config = config
         self._token = token
         self._queue: asyncio.Queue = asyncio.Queue(QUEUED_REQUESTS)
-        self._context = _Context()
+        self._answered = asyncio.Event()  # the config was accepted (a session id) or the stream ended
+        self.session_id = ""
         self._closed = False
 
-    @property
-    def session_id(self) -> str:
-        return self._context.session_id
-
     async def accepted(self) -> bool:
-        """Wait until the servicer has accepted the stream (its config checked, the token's quota claimed) or
+        """Wait until the host has accepted the stream (its config checked, the token's quota claimed) or
         ended it; True if accepted. Lets a sender refuse before it spends work on audio (a refusal's status
         comes out of :meth:`responses`, which must be being read)."""
-        await self._context.answered.wait()
-        return bool(self._context.session_id) and not self._closed
+        await self._answered.wait()
+        return bool(self.session_id) and not self._closed
 
     async def feed(self, blocks: Iterator[bytes]) -> None:
         """Once the stream is accepted, send each block ``blocks`` yields (it is advanced in an executor
@@ -95,12 +85,12 @@ class NativeStream:
 
     async def send_audio(self, audio: bytes) -> None:
         if audio and not self._closed:
-            await self._queue.put(pb.StreamingRecognizeRequest(audio=audio))
+            await self._queue.put(audio)
 
     async def finalize(self) -> None:
         """End the current utterance now (its final follows)."""
         if not self._closed:
-            await self._queue.put(pb.StreamingRecognizeRequest(control=pb.Control(type=pb.Control.FINALIZE)))
+            await self._queue.put(_FINALIZE)
 
     def half_close(self) -> None:
         """No more requests: the stream ends OK after the final of everything sent."""
@@ -111,23 +101,66 @@ class NativeStream:
                 return
             asyncio.get_running_loop().create_task(self._queue.put(_HALF_CLOSE))
 
-    async def _requests(self) -> AsyncIterator[pb.StreamingRecognizeRequest]:
-        yield pb.StreamingRecognizeRequest(config=self._config)
-        while (request := await self._queue.get()) is not _HALF_CLOSE:
-            yield request
+    async def _open(self) -> LiveSession:
+        host = self._host
+        try:
+            if host.draining:
+                raise draining()
+            config = await host.admit(session_config(host, self._config), self._token)
+            return LiveSession(host, config, self._token)
+        except Refused as refused:
+            if refused.reason:
+                host.metrics.rejected(refused.reason, None if self._token is None else self._token.name)
+            raise StreamEnded.of(refused.ended) from None
+
+    async def _read(self, stream: LiveSession) -> None:
+        """Feed the session what was queued, to the half-close (then flush to its last final)."""
+        try:
+            while True:
+                await stream.wait_for_room()
+                item = await self._queue.get()
+                if item is _HALF_CLOSE:
+                    break
+                stream.heard()
+                if not (stream.finalize() if item is _FINALIZE else await stream.feed(item)):
+                    return  # (the session reads no more)
+            stream.finish()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(
+                "session %s: reading requests failed", stream.session_id, extra={"session_id": stream.session_id}
+            )
+            stream.fail(Status.INTERNAL, "the server failed to process the audio")
 
     async def responses(self) -> AsyncIterator[pb.StreamingRecognizeResponse]:
-        """The stream's responses; ends by raising :class:`StreamEnded` (OK included). A response that
-        carries ``error`` is not yielded: its status is raised."""
-        use_token(self._token)
-        native = self._servicer.StreamingRecognize(self._requests(), self._context)
+        """The stream's responses; ends by raising :class:`StreamEnded` (OK included)."""
         try:
-            async for response in native:
-                if response.HasField("error"):
-                    continue  # the status itself follows as the servicer's abort
-                yield response
+            stream = await self._open()
+        except BaseException:
+            self._answered.set()
+            raise
+        host = self._host
+        try:
+            host.start(stream)
+            self.session_id = stream.session_id
+            self._answered.set()
+            stream.attach(asyncio.create_task(self._read(stream)))
+            while (item := await stream.responses.get()) is not DONE:
+                if isinstance(item, Ended):
+                    stream.outcome = item.status.name
+                    raise StreamEnded.of(item)
+                if isinstance(item, Response):
+                    yield response_message(item)
+        except Refused as refused:  # by the token's quotas
+            stream.outcome = refused.status.name
+            host.metrics.rejected(refused.reason, stream.token.name)
+            raise StreamEnded.of(refused.ended) from None
+        except (asyncio.CancelledError, GeneratorExit):
+            stream.outcome = "cancelled"
+            raise
         finally:
             self._closed = True
-            self._context.answered.set()
-            await native.aclose()
+            self._answered.set()
+            host.close(stream)
         raise StreamEnded(grpc.StatusCode.OK)
