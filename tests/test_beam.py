@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cosystream.app.cli import add_decoder_args
+from cosystream.app.commands.common import add_decoder_args
 from cosystream.decoding.beam import BeamConfig, BeamCtcDecoder, _lse
 from cosystream.decoding.config import DecoderConfig, DecoderFactory
 from cosystream.decoding.greedy import CtcDecoder
