@@ -42,6 +42,7 @@ try:
     from cosystream.v1 import cosystream_pb2 as pb
     from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
     from cosystream.v1.client import (
+        DEFAULT_SERVER,
         Connection,
         HelpFormatter,
         add_connection_args,
@@ -74,7 +75,7 @@ class CaptionError(Exception):
 class CaptionConfig:
     """Everything one run needs, built from the command line in ``parse_config`` only."""
 
-    server: str = "localhost:50051"
+    server: str = DEFAULT_SERVER
     device: int | str | None = None
     file: Path | None = None
     vtt: Path | None = None
@@ -572,7 +573,7 @@ def install_sigint(loop: asyncio.AbstractEventLoop, handler: Callable[[], None])
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
-        "--server", default="localhost:50051", type=server_address, help="host[:port] (default: %(default)s)"
+        "--server", default=DEFAULT_SERVER, type=server_address, help="host[:port] (default: %(default)s)"
     )
     parser.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
     parser.add_argument("--device", help="input device: an index or part of a name (see --list-devices)")

@@ -49,6 +49,7 @@ try:
     from cosystream.v1 import cosystream_pb2 as pb
     from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
     from cosystream.v1.client import (
+        DEFAULT_SERVER,
         Connection,
         StreamStatus,
         add_connection_args,
@@ -476,7 +477,7 @@ def plot(result: dict, stats: list[SessionStats], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--server", default="localhost:50051", type=server_address, help="host[:port]")
+    parser.add_argument("--server", default=DEFAULT_SERVER, type=server_address, help="host[:port]")
     parser.add_argument("--realtime", type=int, default=10, help="REALTIME sessions")
     parser.add_argument("--batch", type=int, default=0, help="BATCH sessions (sent as fast as allowed)")
     parser.add_argument("--chunk-ms", type=int, default=10, help="realtime chunk size (20 for telephony)")

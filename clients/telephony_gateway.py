@@ -31,6 +31,7 @@ try:
     from clients.telephony import Gateway, GatewayConfig, ResultSink, WebhookPoster
     from clients.telephony.config import LOOPBACK, parse_networks, parse_port_range
     from cosystream.v1.client import (
+        DEFAULT_SERVER,
         Connection,
         add_connection_args,
         connection_from_args,
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--server",
-        default="localhost:50051",
+        default=DEFAULT_SERVER,
         type=server_address,
         help="cosystream gRPC address, host[:port] (default %(default)s)",
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from cosystream.v1.client import Connection
+from cosystream.v1.client import DEFAULT_SERVER, Connection
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # The default --allow: this host only. Opening the gateway to a network is a deliberate act.
@@ -23,7 +23,7 @@ class GatewayConfig:
     turn on digest authentication of INVITEs (docs/SECURITY.md).
     """
 
-    server: str = "localhost:50051"
+    server: str = DEFAULT_SERVER
     asr_connection: Connection = field(default_factory=Connection)  # TLS and token for the channel to it
     bind: str = "0.0.0.0"
     sip_port: int = 5060

@@ -33,6 +33,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 DEFAULT_PORT = 50051
 """``cosystream serve``'s port; gRPC itself would take 443 for a name without one."""
+DEFAULT_SERVER = f"localhost:{DEFAULT_PORT}"
+"""The server a client calls when it is given none: ``cosystream serve`` on this machine."""
 
 
 def server_address(text: str, default_port: int = DEFAULT_PORT) -> str:

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from cosystream.v1.client import add_connection_args, connection_from_args
+from cosystream.v1.client import DEFAULT_SERVER, add_connection_args, connection_from_args
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -30,9 +30,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     unload.add_argument("name", metavar="NAME")
     status = calls.add_parser("status", help="the models served, the engines, the sessions open")
     for call in (load, unload, status):
-        call.add_argument(
-            "--server", default="localhost", help="host:port of the server (default: localhost:50051)"
-        )
+        call.add_argument("--server", default=DEFAULT_SERVER, help="host:port of the server")
         call.add_argument(
             "--timeout", type=float, default=600.0, help="seconds to wait for the call (default: 600)"
         )

@@ -17,6 +17,7 @@ from cosystream.app.commands.serve_config import (
 )
 from cosystream.engine.adaptive import ADAPTIVE_HIGH, ADAPTIVE_LOW
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
+from cosystream.v1.client import DEFAULT_PORT
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def _listening(parser: argparse.ArgumentParser) -> None:
     """Where it listens: the gRPC port, the HTTP port and its limits, /metrics."""
     parser.add_argument("--host", default=None, help="address to listen on (default: every interface)")
-    parser.add_argument("--port", type=int, default=None, help="gRPC port (default: 50051)")
+    parser.add_argument("--port", type=int, default=None, help=f"gRPC port (default: {DEFAULT_PORT})")
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="Prometheus /metrics on --metrics-host; 0 disables"
     )
