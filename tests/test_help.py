@@ -16,7 +16,7 @@ from cosystream.app.supervisor import RestartPolicy
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
-from cosystream.server.http import HttpConfig
+from cosystream.server.http import MIB, HttpConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def test_every_flag_has_help_and_shows_its_default():
         ("--restart-window-s", RestartPolicy().window_s),
         ("--silence-ms", EndpointingConfig().silence_ms),
         ("--max-utterance-ms", EndpointingConfig().max_utterance_ms),
-        ("--max-upload-mb", HttpConfig().max_upload_bytes / 1e6),
+        ("--max-upload-mb", HttpConfig().max_upload_bytes / MIB),
         ("--max-upload-audio-s", HttpConfig().max_upload_audio_s),
         ("--ws-idle-timeout-s", HttpConfig().ws_idle_timeout_s),
     ],
@@ -68,7 +68,7 @@ def test_a_default_stated_in_the_help_is_the_configs(flag, default):
     text = flag_help(serve, flag)
     stated = re.search(r"default:? (?:the )?([0-9.]+)", text)
     assert stated, text
-    assert float(stated.group(1)) == pytest.approx(default, rel=0.05), text
+    assert float(stated.group(1)) == pytest.approx(default), text
 
 
 def test_the_top_level_help_names_what_serve_serves():

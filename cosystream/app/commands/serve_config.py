@@ -175,7 +175,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
     from cosystream.frontend.snapshot import read_key
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
-    from cosystream.server.http import HttpConfig
+    from cosystream.server.http import MIB, HttpConfig
     from cosystream.server.servicer import StreamOptions
 
     return FrontendConfig(
@@ -195,7 +195,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
         else HttpConfig(
             **given(
                 host=args.host,
-                max_upload_bytes=None if args.max_upload_mb is None else int(args.max_upload_mb * 1e6),
+                max_upload_bytes=None if args.max_upload_mb is None else int(args.max_upload_mb * MIB),
                 idle_timeout_s=args.http_idle_timeout_s,
                 allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins.split(",")),
                 allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts.split(",")),

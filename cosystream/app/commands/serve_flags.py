@@ -17,6 +17,7 @@ from cosystream.app.commands.serve_config import (
 )
 from cosystream.engine.adaptive import ADAPTIVE_HIGH, ADAPTIVE_LOW
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
+from cosystream.server.http import DEFAULT_HTTP_PORT, MIB, HttpConfig
 from cosystream.v1.client import DEFAULT_PORT
 
 
@@ -40,6 +41,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def _listening(parser: argparse.ArgumentParser) -> None:
     """Where it listens: the gRPC port, the HTTP port and its limits, /metrics."""
+    http = HttpConfig()
     parser.add_argument("--host", default=None, help="address to listen on (default: every interface)")
     parser.add_argument("--port", type=int, default=None, help=f"gRPC port (default: {DEFAULT_PORT})")
     parser.add_argument(
@@ -48,21 +50,21 @@ def _listening(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--http-port",
         type=int,
-        default=8080,
+        default=DEFAULT_HTTP_PORT,
         help="HTTP port: OpenAI-shaped transcriptions and Realtime WebSocket, the captioning page at /; 0 disables",
     )
     parser.add_argument(
         "--max-upload-mb",
         type=float,
         default=None,
-        help="largest file POST /v1/audio/transcriptions takes (default: 25)",
+        help=f"largest file POST /v1/audio/transcriptions takes, MiB (default: {http.max_upload_bytes / MIB:g})",
     )
     parser.add_argument(
         "--http-idle-timeout-s",
         type=float,
         default=None,
         help="close an HTTP connection that sends no request for this long, before its first or kept alive "
-        "(default: 30)",
+        f"(default: {http.idle_timeout_s:g})",
     )
     parser.add_argument(
         "--allowed-origins",
@@ -81,13 +83,14 @@ def _listening(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="longest audio POST /v1/audio/transcriptions takes, by the file's header, refused before decoding "
-        "(default: 3600)",
+        f"(default: {http.max_upload_audio_s:g})",
     )
     parser.add_argument(
         "--ws-idle-timeout-s",
         type=float,
         default=None,
-        help="a Realtime WebSocket that sends no event for this long gets an error event, then is closed (default: 60)",
+        help="a Realtime WebSocket that sends no event for this long gets an error event, then is closed "
+        f"(default: {http.ws_idle_timeout_s:g})",
     )
     parser.add_argument(
         "--media-webhook",
