@@ -300,7 +300,7 @@ def test_decoder_config_resolves_against_the_model(tmp_path, lm):
 
 
 def test_the_decoding_flags_help_states_the_beam_defaults():
-    # The CLI keeps numpy (and so BeamConfig) out of its start-up, so its help repeats the defaults.
+    # The help reads the numbers off BeamConfig: this pins that it states them where a reader looks.
     parser = argparse.ArgumentParser()
     add_decoder_args(parser)
     text = " ".join(parser.format_help().split())

@@ -54,6 +54,12 @@ def test_every_flag_has_help_and_shows_its_default():
     [
         ("--idle-timeout-s", StreamOptions().idle_timeout_s),
         ("--drain-grace-s", FrontendConfig().drain_grace_s),
+        ("--keepalive-s", FrontendConfig().keepalive_s),
+        ("--keepalive-timeout-s", FrontendConfig().keepalive_timeout_s),
+        ("--min-client-ping-s", FrontendConfig().min_client_ping_s),
+        ("--resume-window-s", StreamOptions().resume_window_s),
+        ("--realtime-burst-s", StreamOptions().realtime_burst_s),
+        ("--admit-lag-ms", StreamOptions().admit_lag_s * 1000),
         ("--max-failures", RestartPolicy().max_failures),
         ("--restart-window-s", RestartPolicy().window_s),
         ("--silence-ms", EndpointingConfig().silence_ms),

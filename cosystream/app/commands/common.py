@@ -17,19 +17,33 @@ def given(**flags):
 
 
 def add_decoder_args(parser: argparse.ArgumentParser) -> None:
+    """``--decoder``, ``--lm``, ``--beam-size``, ``--lm-weight`` and ``--word-bonus``, their defaults read off
+    :class:`~cosystream.decoding.config.DecoderConfig` (whose import loads no torch)."""
+    from cosystream.decoding.config import DECODERS, DecoderConfig
+
+    defaults = DecoderConfig()
     group = parser.add_argument_group("decoding")
     group.add_argument(
         "--decoder",
-        choices=["auto", "greedy", "beam"],
-        default="auto",
+        choices=list(DECODERS),
+        default=defaults.kind,
         help="auto: beam search when the model ships a language model (lm.arpa.gz) or --lm is given; greedy: "
         "the best token per frame (letter models; the default model's phonemes need beam search)",
     )
     group.add_argument("--lm", default=None, help="a word n-gram language model, ARPA (.arpa or .arpa.gz)")
-    # Kept free of numpy (BeamConfig) for a quick start-up; a test holds these numbers to BeamConfig's.
-    group.add_argument("--beam-size", type=int, default=None, help="hypotheses kept per frame (default 64)")
-    group.add_argument("--lm-weight", type=float, default=None, help="language model weight (default 0.8)")
-    group.add_argument("--word-bonus", type=float, default=None, help="score added per word, nats (default -0.5)")
+    # None: BeamConfig's default, which the help states.
+    group.add_argument(
+        "--beam-size",
+        type=int,
+        default=None,
+        help=f"hypotheses kept per frame (default {defaults.beam.beam_size})",
+    )
+    group.add_argument(
+        "--lm-weight", type=float, default=None, help=f"language model weight (default {defaults.beam.alpha})"
+    )
+    group.add_argument(
+        "--word-bonus", type=float, default=None, help=f"score added per word, nats (default {defaults.beam.beta})"
+    )
 
 
 def decoder_config(args: argparse.Namespace):
@@ -42,11 +56,7 @@ def decoder_request(args: argparse.Namespace):
     from cosystream.decoding.beam import BeamConfig
     from cosystream.decoding.config import DecoderConfig
 
-    overrides = {
-        name: value
-        for name, value in (("beam_size", args.beam_size), ("alpha", args.lm_weight), ("beta", args.word_bonus))
-        if value is not None
-    }
+    overrides = given(beam_size=args.beam_size, alpha=args.lm_weight, beta=args.word_bonus)
     beam = dataclasses.replace(BeamConfig(), **overrides)
     if beam.beam_size < 1:
         raise ValueError("--beam-size must be >= 1")

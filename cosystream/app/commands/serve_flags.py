@@ -1,11 +1,14 @@
 """``cosystream serve``'s flags, a function per concern, in the order ``serve --help`` lists them.
 
-A flag whose default is None takes its config's default, stated there once.
+A flag whose default is None takes its config's default, stated there once; where the config is cheap to
+import (no torch, no grpc server), its help reads the number from it, and tests/test_help.py holds the rest
+to their configs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from cosystream.app.commands.common import add_decoder_args
 from cosystream.app.commands.serve_config import (
@@ -15,8 +18,12 @@ from cosystream.app.commands.serve_config import (
     parse_precision_arg,
     parse_vocabulary_arg,
 )
+from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.engine.adaptive import ADAPTIVE_HIGH, ADAPTIVE_LOW
+from cosystream.engine.headroom import ADMIT_LOAD, OVERLOAD_WINDOW_S
 from cosystream.engine.scheduler import DEADLINE_S, MAX_SESSIONS, REALTIME_BATCH_WINDOW_S
+from cosystream.frontend.tracing import TRACE_SAMPLE
+from cosystream.secondpass.worker import SecondPassConfig
 from cosystream.server.http import DEFAULT_HTTP_PORT, MIB, HttpConfig
 from cosystream.v1.client import DEFAULT_PORT
 
@@ -139,7 +146,7 @@ def _engine(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="refuse a new REALTIME session (RESOURCE_EXHAUSTED with a retry delay) when one more would take the "
-        "engine's projected realtime load past this (its busy share; default 0.9; 0: off, only "
+        f"engine's projected realtime load past this (its busy share; default {ADMIT_LOAD:g}; 0: off, only "
         "--max-sessions limits); BATCH sessions are slowed instead (docs/DEPLOY.md, 'Overload')",
     )
     parser.add_argument(
@@ -154,7 +161,7 @@ def _engine(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="the load over --admit-load this long makes the engine overloaded (health service 'load' "
-        "NOT_SERVING), and under it this long, no longer (default 5)",
+        f"NOT_SERVING), and under it this long, no longer (default {OVERLOAD_WINDOW_S:g})",
     )
 
 
@@ -172,7 +179,7 @@ def _tracing(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="the share of utterances traced with --otlp-endpoint (a client's sampled traceparent is always "
-        "followed; default 0.01)",
+        f"followed; default {TRACE_SAMPLE:g})",
     )
 
 
@@ -321,6 +328,7 @@ def _streams(parser: argparse.ArgumentParser) -> None:
 
 def _second_pass(parser: argparse.ArgumentParser) -> None:
     """The second pass that re-reads each utterance for its final."""
+    defaults = {field.name: field.default for field in dataclasses.fields(SecondPassConfig)}  # (model: none)
     parser.add_argument(
         "--final-model",
         default=None,
@@ -333,21 +341,21 @@ def _second_pass(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="an utterance's final waits at most this long for the second pass, then the streaming text is sent "
-        "(default: 3000)",
+        f"(default: {defaults['deadline_ms']})",
     )
     parser.add_argument(
         "--final-max-batch",
         type=int,
         default=None,
         help="utterances of similar length that end together are read by the second pass in one call, up to "
-        "this many (default: 8)",
+        f"this many (default: {defaults['max_batch']})",
     )
     parser.add_argument(
         "--final-device",
         choices=("auto", "cpu", "cuda"),
         default=None,
         help="where the second pass runs; auto: a CUDA device when CTranslate2 finds one and loads there "
-        "(default: auto)",
+        f"(default: {defaults['device']})",
     )
 
 
@@ -396,18 +404,20 @@ def _lifecycle(parser: argparse.ArgumentParser) -> None:
 
 def _endpointing(parser: argparse.ArgumentParser) -> None:
     """Where utterances end, and the benchmarks' unbatched baseline."""
+    endpointing = EndpointingConfig()
     parser.add_argument(
         "--silence-ms",
         type=int,
         default=None,
-        help="the pause that ends an utterance, for streams that do not set endpointing.silence_ms (default: 500)",
+        help="the pause that ends an utterance, for streams that do not set endpointing.silence_ms "
+        f"(default: {endpointing.silence_ms})",
     )
     parser.add_argument(
         "--max-utterance-ms",
         type=int,
         default=None,
         help="an utterance this long is ended (its final sent) and the next begins, for streams that do not "
-        "set endpointing.max_utterance_ms (default: 15000)",
+        f"set endpointing.max_utterance_ms (default: {endpointing.max_utterance_ms})",
     )
     parser.add_argument(
         "--naive",
