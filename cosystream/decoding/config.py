@@ -114,7 +114,8 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, data: dict) -> DecoderConfig:
         beam = BeamConfig(**data.get("beam", {}))
-        return cls(data["kind"], data.get("lm_path"), beam, data.get("lexicon_path"), data.get("search", "auto"))
+        given = {name: data[name] for name in ("lm_path", "lexicon_path", "search") if name in data}
+        return cls(data["kind"], beam=beam, **given)  # (a field left out keeps its default)
 
 
 class DecoderFactory:
