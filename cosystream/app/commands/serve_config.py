@@ -1,6 +1,7 @@
 """``cosystream serve``'s flags read into config objects: the models served, the decoders, security, the
-frontends' settings. Each function raises ``ValueError`` (one line) for what cannot be served, before any
-process starts; a flag left out keeps its config's default (:func:`given`)."""
+frontends' settings. The readers raise ``ValueError`` (one line) for what cannot be served, before any
+process starts (the ``parse_*`` flag types ``argparse.ArgumentTypeError``); a flag left out keeps its
+config's default (:func:`given`)."""
 
 from __future__ import annotations
 
