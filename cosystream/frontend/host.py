@@ -29,7 +29,7 @@ from cosystream.frontend.loop_lag import ADMIT_LAG_S, LoopLag
 from cosystream.frontend.model_decoders import ModelDecoders
 from cosystream.frontend.quota import Token, TokenSessions
 from cosystream.frontend.responses import DEFAULT_MAX_ITEMS
-from cosystream.frontend.session import REALTIME_BURST_S, SessionConfig
+from cosystream.frontend.session import MAX_IN_FLIGHT_FRAMES, REALTIME_BURST_S, SessionConfig
 from cosystream.frontend.snapshot import Snapshot, SnapshotError
 from cosystream.frontend.status import Ended, Refused, Status, draining
 from cosystream.frontend.tracing import TracingConfig, UtteranceTracer
@@ -50,7 +50,7 @@ HANDED_OVER = (
 @dataclass(frozen=True, slots=True)
 class StreamOptions:
     idle_timeout_s: float = 30.0
-    max_in_flight_frames: int = 128
+    max_in_flight_frames: int = MAX_IN_FLIGHT_FRAMES
     # Responses queued for a client that does not read them, before its requests stop being read.
     max_queued_responses: int = DEFAULT_MAX_ITEMS
     # A REALTIME stream's speech is read at most at real time plus this much ahead (inf: unpaced).

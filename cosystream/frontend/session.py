@@ -74,6 +74,10 @@ class SessionConfig:
     wire: bytes = b""  # a resumable stream's StreamingConfig as sent (its resume fields cleared), for a snapshot
 
 
+MAX_IN_FLIGHT_FRAMES = 128
+"""Frames a session may have at the engine without their results (1.28 s of speech): past it, its audio waits
+(and its reader with it) rather than queueing without bound at the engine."""
+
 REALTIME_BURST_S = 2.0
 """Speech a REALTIME stream may send ahead of real time (``serve --realtime-burst-s``): a client catching up
 after a network hiccup of up to this long is not slowed; past it, its requests are read no faster than
@@ -175,7 +179,7 @@ class Session:
         decoder: CtcDecoder | BeamCtcDecoder,
         engine: EngineLink,
         emit: Callable[[Response], None],
-        max_in_flight_frames: int = 128,
+        max_in_flight_frames: int = MAX_IN_FLIGHT_FRAMES,
         on_first_result: Callable[[float], None] | None = None,
         on_result_latency: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,

@@ -173,11 +173,11 @@ def security_config(args: argparse.Namespace):
 
 def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, decoder, decoders):
     """The frontends' config from the flags; ``ValueError`` from a config's own checks."""
+    from cosystream.frontend.host import StreamOptions
     from cosystream.frontend.snapshot import read_key
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig
     from cosystream.server.http import MIB, HttpConfig
-    from cosystream.server.servicer import StreamOptions
 
     return FrontendConfig(
         **given(
