@@ -92,7 +92,7 @@ FRAMES = np.random.default_rng(0).uniform(-0.3, 0.3, (4, FRAME_SAMPLES)).astype(
 HEAVY, LIGHT = 0, 1  # model ids, as the engine numbers them
 
 
-def send(core: EngineCore, ops: list[tuple], frames: dict[int, np.ndarray] | None = None) -> ipc.ToFrontend:
+def send(core: EngineCore, ops: list[ipc.Op], frames: dict[int, np.ndarray] | None = None) -> ipc.ToFrontend:
     message = ipc.ToEngine(ops=ops)
     for key, data in (frames or {}).items():
         message.add_frames(key, data)
@@ -102,8 +102,8 @@ def send(core: EngineCore, ops: list[tuple], frames: dict[int, np.ndarray] | Non
     return core.take_outbox().get(0, ipc.ToFrontend())
 
 
-def events(box: ipc.ToFrontend, kind: int) -> dict[int, int]:
-    return {e[1]: e[2] for e in box.events if e[0] == kind}
+def events(box: ipc.ToFrontend, kind: type[ipc.Opened | ipc.Moved]) -> dict[int, int]:
+    return {e.key: e.model for e in box.events if isinstance(e, kind)}
 
 
 def overload(core: EngineCore, clock: FakeClock, busy: float, seconds: float) -> list:
@@ -125,19 +125,17 @@ def test_the_engine_moves_heavy_sessions_to_light_between_utterances_and_back():
         [tiny(3, 0), tiny(1, 1)], config, torch.device("cpu"), None, ["heavy", "light"], adaptive, clock
     )
     realtime = int(Priority.REALTIME)
-    box = send(
-        core, [(ipc.OPEN, 1, realtime, HEAVY), (ipc.OPEN, 2, realtime, HEAVY), (ipc.OPEN, 3, realtime, LIGHT)]
-    )
-    assert events(box, ipc.OPENED) == {1: HEAVY, 2: HEAVY, 3: LIGHT}
+    box = send(core, [ipc.Open(1, realtime, HEAVY), ipc.Open(2, realtime, HEAVY), ipc.Open(3, realtime, LIGHT)])
+    assert events(box, ipc.Opened) == {1: HEAVY, 2: HEAVY, 3: LIGHT}
     send(core, [], {2: FRAMES})  # session 2 is inside an utterance; 1 is between two (no frame since its open)
 
     (switch,) = overload(core, clock, 0.95, 0.55)
     assert switch.light
     box = core.take_outbox().get(0, ipc.ToFrontend())
-    assert events(box, ipc.MOVED) == {1: LIGHT}  # at once: nothing of its next utterance is in flight
-    assert events(send(core, [(ipc.OPEN, 4, realtime, HEAVY)]), ipc.OPENED) == {4: LIGHT}
-    box = send(core, [(ipc.RESET, 2)], {1: FRAMES, 2: FRAMES, 3: FRAMES, 4: FRAMES})
-    assert events(box, ipc.MOVED) == {2: LIGHT}  # its utterance ended: the next one runs on LIGHT
+    assert events(box, ipc.Moved) == {1: LIGHT}  # at once: nothing of its next utterance is in flight
+    assert events(send(core, [ipc.Open(4, realtime, HEAVY)]), ipc.Opened) == {4: LIGHT}
+    box = send(core, [ipc.Reset(2)], {1: FRAMES, 2: FRAMES, 3: FRAMES, 4: FRAMES})
+    assert events(box, ipc.Moved) == {2: LIGHT}  # its utterance ended: the next one runs on LIGHT
     assert sorted(box.keys) == [1, 2, 3, 4]  # all stepped, on LIGHT
     assert core.model_sessions() == {"heavy": 0, "light": 4}
 
@@ -151,8 +149,8 @@ def test_the_engine_moves_heavy_sessions_to_light_between_utterances_and_back():
     assert overload(core, clock, 0.2, 1.0) == []  # below low, but the hold (1.8 s since the switch) is not over
     (back,) = overload(core, clock, 0.2, 1.5)
     assert not back.light
-    box = send(core, [(ipc.RESET, 1), (ipc.RESET, 3), (ipc.OPEN, 5, realtime, HEAVY)])
-    assert events(box, ipc.MOVED) == {1: HEAVY} and events(box, ipc.OPENED) == {5: HEAVY}
+    box = send(core, [ipc.Reset(1), ipc.Reset(3), ipc.Open(5, realtime, HEAVY)])
+    assert events(box, ipc.Moved) == {1: HEAVY} and events(box, ipc.Opened) == {5: HEAVY}
     assert core.model_sessions() == {"heavy": 2, "light": 3}  # 2 and 4 move at their next utterance
 
 
@@ -164,7 +162,7 @@ def test_batch_steps_are_not_realtime_load():
     core = EngineCore(
         [tiny(3, 0), tiny(1, 1)], config, torch.device("cpu"), None, ["heavy", "light"], adaptive, clock
     )
-    send(core, [(ipc.OPEN, 1, int(Priority.BATCH), HEAVY)])
+    send(core, [ipc.Open(1, int(Priority.BATCH), HEAVY)])
     for _ in range(20):
         clock.now += 0.05
         send(core, [], {1: FRAMES})

@@ -52,7 +52,7 @@ def v2_dir(tmp_path_factory) -> str:
 FRAMES = np.random.default_rng(0).uniform(-0.3, 0.3, (12, FRAME_SAMPLES)).astype(np.float32)
 
 
-def run(core: EngineCore, ops: list[tuple], frames: dict[int, np.ndarray]) -> ipc.ToFrontend:
+def run(core: EngineCore, ops: list[ipc.Op], frames: dict[int, np.ndarray]) -> ipc.ToFrontend:
     message = ipc.ToEngine(ops=ops)
     for key, data in frames.items():
         message.add_frames(key, data)
@@ -71,33 +71,33 @@ def test_a_new_version_takes_over_at_utterance_boundaries_and_the_old_is_freed(v
     old, new = load_model(), load_model(v2_dir)
     config = EngineConfig(max_sessions=4, max_batch=4, realtime_batch_window_s=0)
     cpu = torch.device("cpu")
-    alone_old = out_of(run(EngineCore(old, config, cpu), [(ipc.OPEN, 1, 1)], {1: FRAMES}), 1)
-    alone_new = out_of(run(EngineCore(new, config, cpu), [(ipc.OPEN, 1, 1)], {1: FRAMES}), 1)
+    alone_old = out_of(run(EngineCore(old, config, cpu), [ipc.Open(1, 1)], {1: FRAMES}), 1)
+    alone_new = out_of(run(EngineCore(new, config, cpu), [ipc.Open(1, 1)], {1: FRAMES}), 1)
     assert not np.array_equal(alone_old, alone_new), "the nudged weights must change the output"
 
     core = EngineCore(old, config, cpu, names=[DEFAULT])
     # Session 1 is inside an utterance, session 2 between two (reset, no frame since).
-    box = run(core, [(ipc.OPEN, 1, 1, 0), (ipc.OPEN, 2, 1, 0)], {1: FRAMES[:6]})
-    assert [e for e in box.events if e[0] == ipc.OPENED] == [(ipc.OPENED, 1, 0), (ipc.OPENED, 2, 0)]
+    box = run(core, [ipc.Open(1, 1, 0), ipc.Open(2, 1, 0)], {1: FRAMES[:6]})
+    assert [e for e in box.events if isinstance(e, ipc.Opened)] == [ipc.Opened(1, 0), ipc.Opened(2, 0)]
     index, previous = core.install(DEFAULT, core.prepare(new))
     assert (index, previous) == (1, 0) and core.served == {DEFAULT: 1} and core.held_models == [0, 1]
     assert core.move_idle(previous) == 1
-    assert core.take_outbox()[0].events == [(ipc.MOVED, 2, 1)]
+    assert core.take_outbox()[0].events == [ipc.Moved(2, 1)]
 
     # The utterance in progress finishes on the old version; new sessions and utterances get the new one.
-    box = run(core, [(ipc.OPEN, 3, 1, 0)], {1: FRAMES[6:], 2: FRAMES, 3: FRAMES})
-    assert (ipc.OPENED, 3, 1) in box.events
+    box = run(core, [ipc.Open(3, 1, 0)], {1: FRAMES[6:], 2: FRAMES, 3: FRAMES})
+    assert ipc.Opened(3, 1) in box.events
     assert np.array_equal(out_of(box, 1), alone_old[6:])
     assert np.array_equal(out_of(box, 2), alone_new) and np.array_equal(out_of(box, 3), alone_new)
     assert core.held_models == [0, 1] and core.freed_models == 0
 
     # Session 1's next utterance: it moves, the old version has no session left and is freed.
-    box = run(core, [(ipc.RESET, 1)], {1: FRAMES})
-    assert box.events[0] == (ipc.MOVED, 1, 1) and np.array_equal(out_of(box, 1), alone_new)
+    box = run(core, [ipc.Reset(1)], {1: FRAMES})
+    assert box.events[0] == ipc.Moved(1, 1) and np.array_equal(out_of(box, 1), alone_new)
     assert core.held_models == [1] and core.freed_models == 1
     assert core.models[0] is None and core.runners[0] is None and core.slabs[0] is None
     # A frontend that had not heard of the swap asks for the old id: it gets the new version.
-    assert (ipc.OPENED, 4, 1) in run(core, [(ipc.OPEN, 4, 1, 0)], {}).events
+    assert ipc.Opened(4, 1) in run(core, [ipc.Open(4, 1, 0)], {}).events
 
 
 def test_unloading_refuses_the_default_and_lets_live_sessions_finish(v2_dir):
@@ -107,12 +107,15 @@ def test_unloading_refuses_the_default_and_lets_live_sessions_finish(v2_dir):
         core.unload("a")
     with pytest.raises(KeyError):
         core.unload("nope")
-    run(core, [(ipc.OPEN, 1, 1, 1)], {1: FRAMES})
+    run(core, [ipc.Open(1, 1, 1)], {1: FRAMES})
     assert core.unload("b") == 1 and core.held_models == [0, 1]  # session 1 still runs it
-    box = run(core, [(ipc.OPEN, 2, 1, 1)], {1: FRAMES})
-    assert box.events[0][:2] == (ipc.REJECTED, 2) and "'b' is no longer served" in box.events[0][2]
+    box = run(core, [ipc.Open(2, 1, 1)], {1: FRAMES})
+    rejected = box.events[0]
+    assert (
+        isinstance(rejected, ipc.Rejected) and rejected.key == 2 and "'b' is no longer served" in rejected.message
+    )
     assert len(out_of(box, 1)) == len(FRAMES)  # the live one goes on
-    run(core, [(ipc.CLOSE, 1)], {})
+    run(core, [ipc.Close(1)], {})
     assert core.held_models == [0] and core.freed_models == 1
 
 

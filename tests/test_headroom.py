@@ -159,18 +159,18 @@ def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
     )
     core = EngineCore([tiny(1, 0)], config_, torch.device("cpu"), None, ["m"], None, clock)
     realtime, batch = int(Priority.REALTIME), int(Priority.BATCH)
-    box = send(core, [(ipc.OPEN, 1, realtime, 0)])
-    assert [e[0] for e in box.events] == [ipc.OPENED]
+    box = send(core, [ipc.Open(1, realtime, 0)])
+    assert [type(e) for e in box.events] == [ipc.Opened]
     for _ in range(8):  # 2 s at 0.7 busy, a step of the one realtime session in each window
         send(core, [], {1: FRAMES[:1]})
         clock.now += 0.25
         core.observe_load(0.7 * 0.25)
     assert core.report.load == 0.7 and not core.report.overloaded
-    box = send(core, [(ipc.OPEN, 2, realtime, 0), (ipc.OPEN, 3, batch, 0)])
-    rejected = [e for e in box.events if e[0] == ipc.REJECTED]
-    assert [(e[1], e[3], e[4]) for e in rejected] == [(2, RETRY_AFTER_S, "overloaded")]
-    assert "projected load 1.40 with one more, limit 0.9)" in rejected[0][2]
-    assert [e[1] for e in box.events if e[0] == ipc.OPENED] == [3]  # BATCH: admitted, slowed by the load
+    box = send(core, [ipc.Open(2, realtime, 0), ipc.Open(3, batch, 0)])
+    rejected = [e for e in box.events if isinstance(e, ipc.Rejected)]
+    assert [(e.key, e.retry_after_s, e.reason) for e in rejected] == [(2, RETRY_AFTER_S, "overloaded")]
+    assert "projected load 1.40 with one more, limit 0.9)" in rejected[0].message
+    assert [e.key for e in box.events if isinstance(e, ipc.Opened)] == [3]  # BATCH: admitted, slowed by the load
     for _ in range(8):
         clock.now += 0.25
         core.observe_load(0.95 * 0.25)
@@ -181,7 +181,7 @@ def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
         clock.now += 0.25
         core.observe_load(0.1 * 0.25)
     assert not core.report.overloaded
-    assert [e[0] for e in send(core, [(ipc.OPEN, 2, realtime, 0)]).events] == [ipc.OPENED]
+    assert [type(e) for e in send(core, [ipc.Open(2, realtime, 0)]).events] == [ipc.Opened]
 
 
 def test_bad_limits_are_refused():

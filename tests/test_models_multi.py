@@ -85,17 +85,16 @@ def test_batch_steps_are_of_one_model_too():
 FRAMES = np.random.default_rng(0).uniform(-0.3, 0.3, (24, FRAME_SAMPLES)).astype(np.float32)
 
 
-def step_all(core: EngineCore, opens: list[tuple]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Open sessions (``(OPEN, key, priority[, model])``), send each the same frames, step until done:
-    per key, its (ids, logprobs)."""
+def step_all(core: EngineCore, opens: list[ipc.Open]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Open sessions, send each the same frames, step until done: per key, its (ids, logprobs)."""
     message = ipc.ToEngine(ops=opens)
     for op in opens:
-        message.add_frames(op[1], FRAMES)
+        message.add_frames(op.key, FRAMES)
     core.handle(0, message.pack())
     while core.step() is not None:
         pass
     box = core.take_outbox()[0]
-    assert sorted(e[1] for e in box.events if e[0] == ipc.OPENED) == sorted(op[1] for op in opens)
+    assert sorted(e.key for e in box.events if isinstance(e, ipc.Opened)) == sorted(op.key for op in opens)
     out: dict[int, list] = {}
     for key, ids, logprobs, *_ in box.rows():
         out.setdefault(key, []).append((ids, logprobs))
@@ -107,9 +106,9 @@ def test_each_session_is_stepped_by_its_own_model(letters_dir):
     default, letters = load_model(), load_model(letters_dir)
     config = EngineConfig(max_sessions=4, max_batch=4, realtime_batch_window_s=0)
     cpu = torch.device("cpu")
-    both = step_all(EngineCore([default, letters], config, cpu), [(ipc.OPEN, 1, 1, 0), (ipc.OPEN, 2, 1, 1)])
-    alone_default = step_all(EngineCore(default, config, cpu), [(ipc.OPEN, 1, 1)])
-    alone_letters = step_all(EngineCore(letters, config, cpu), [(ipc.OPEN, 2, 1)])
+    both = step_all(EngineCore([default, letters], config, cpu), [ipc.Open(1, 1, 0), ipc.Open(2, 1, 1)])
+    alone_default = step_all(EngineCore(default, config, cpu), [ipc.Open(1, 1)])
+    alone_letters = step_all(EngineCore(letters, config, cpu), [ipc.Open(2, 1)])
     assert np.array_equal(both[1][0], alone_default[1][0]) and np.array_equal(both[2][0], alone_letters[2][0])
     assert not np.array_equal(both[1][0][..., 0], both[2][0][..., 0])
 
@@ -124,7 +123,7 @@ def test_two_models_replay_their_own_cuda_graphs(letters_dir):
     device = torch.device("cuda", 0)
     use_device(device)
     models = [load_model(device=device), load_model(letters_dir, device=device)]
-    opens = [(ipc.OPEN, 1, 1, 0), (ipc.OPEN, 2, 1, 1), (ipc.OPEN, 3, 1, 1)]
+    opens = [ipc.Open(1, 1, 0), ipc.Open(2, 1, 1), ipc.Open(3, 1, 1)]
     got = {}
     for mode in GraphMode:
         config = EngineConfig(max_sessions=4, max_batch=4, realtime_batch_window_s=0, graph_mode=mode)
@@ -139,9 +138,9 @@ def test_two_models_replay_their_own_cuda_graphs(letters_dir):
 
 def test_an_open_for_a_model_the_engine_lacks_is_rejected(letters_dir):
     core = EngineCore(load_model(letters_dir), EngineConfig(max_sessions=2), torch.device("cpu"))
-    core.handle(0, ipc.ToEngine(ops=[(ipc.OPEN, 5, 1, 3)]).pack())
+    core.handle(0, ipc.ToEngine(ops=[ipc.Open(5, 1, 3)]).pack())
     (event,) = core.take_outbox()[0].events
-    assert event[:2] == (ipc.REJECTED, 5) and core.session_count == 0
+    assert isinstance(event, ipc.Rejected) and event.key == 5 and core.session_count == 0
 
 
 def test_versions_hash_the_files(letters_dir, tmp_path):

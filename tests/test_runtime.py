@@ -273,7 +273,7 @@ def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
 
     config = EngineConfig(max_sessions=2, max_batch=2, queue_frames=16, realtime_batch_window_s=0)
     core = EngineCore(model, config, torch.device("cpu"))
-    message = ipc.ToEngine(ops=[(ipc.OPEN, 7, 1)])
+    message = ipc.ToEngine(ops=[ipc.Open(7, 1)])
     message.add_frames(7, np.zeros((40, FRAME_SAMPLES), np.float32))
     core.handle(0, message.pack())
     stepped = 0
@@ -281,7 +281,7 @@ def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
         stepped += plan.rows * plan.frames
     assert stepped == 16
     box = core.take_outbox()[0]
-    assert box.events == [(ipc.OPENED, 7, 0)] and sum(len(ids) for _, ids, *_ in box.rows()) == 16
+    assert box.events == [ipc.Opened(7, 0)] and sum(len(ids) for _, ids, *_ in box.rows()) == 16
 
 
 def test_a_cuda_device_that_is_not_there_is_refused_with_a_reason():

@@ -219,7 +219,7 @@ class EngineCore:
         self._listening: set[int] = set()  # frontends whose gRPC port is open
         self.freed_models = 0  # model versions freed since start-up (replaced or unloaded, and unused)
         self.model_changes = 0  # counts installs, unloads and frees: frontends are told when it moves
-        self.admin_ops: list[tuple[int, tuple]] = []  # (frontend, LOAD, UNLOAD or PREPARED op): the process's
+        self.admin_ops: list[tuple[int, ipc.Op]] = []  # (frontend, Load, Unload or Prepared op): the process's
         self._asked = [""] * config.max_sessions  # per slot: the model name the session asked for
         # The projected load (``cosystream_engine_load``) is measured whether or not any model falls back.
         adaptive = adaptive or AdaptiveConfig()
@@ -239,31 +239,31 @@ class EngineCore:
 
     # --- frontend messages -----------------------------------------------------------------------
 
-    def handle(self, frontend: int, message: tuple) -> None:
+    def handle(self, frontend: int, message: bytes) -> None:
         """One frontend message (``ipc.ToEngine.pack()``): its ops in order, then its frames."""
         message = ipc.ToEngine.unpack(message)
         # Deadlines and the batching window count from arrival here, in the engine.
         arrival_s = time.monotonic()
         ends = []
         for op in message.ops:
-            kind, key = op[0], op[1]
-            if kind == ipc.END:
-                ends.append(key)  # (after this message's frames: they are among those it ends)
-            elif kind == ipc.OPEN:
-                self._open(frontend, key, Priority(op[2]), op[3] if len(op) > 3 else 0)
-            elif kind == ipc.RESET:
-                slot = self._slot_of.get((frontend, key))
-                if slot is not None:
-                    self._reset(frontend, key, slot)
-            elif kind == ipc.CLOSE:
-                slot = self._slot_of.pop((frontend, key), None)
-                if slot is not None:
-                    self._release(slot)
-                    self.scheduler.remove(slot)
-            elif kind == ipc.LISTENING:
-                self._listening.add(frontend)
-            elif kind in (ipc.LOAD, ipc.UNLOAD, ipc.PREPARED):
-                self.admin_ops.append((frontend, op))
+            match op:
+                case ipc.End():
+                    ends.append(op.key)  # (after this message's frames: they are among those it ends)
+                case ipc.Open():
+                    self._open(frontend, op.key, Priority(op.priority), op.model)
+                case ipc.Reset():
+                    slot = self._slot_of.get((frontend, op.key))
+                    if slot is not None:
+                        self._reset(frontend, op.key, slot)
+                case ipc.Close():
+                    slot = self._slot_of.pop((frontend, op.key), None)
+                    if slot is not None:
+                        self._release(slot)
+                        self.scheduler.remove(slot)
+                case ipc.Listening():
+                    self._listening.add(frontend)
+                case ipc.Load() | ipc.Unload() | ipc.Prepared():
+                    self.admin_ops.append((frontend, op))
         for key, frames in message.runs():
             slot = self._slot_of.get((frontend, key))
             if slot is not None:
@@ -295,25 +295,25 @@ class EngineCore:
 
     def _open(self, frontend: int, key: int, priority: Priority, model: int) -> None:
         # A frontend names the index its latest models list gave; one replaced since gets the current version
-        # (OPENED says which), one unloaded since is refused.
+        # (Opened says which), one unloaded since is refused.
         current = self._current(self.names[model]) if 0 <= model < len(self.names) else None
         if current is None:
             what = f"model {self.names[model]!r} is no longer served" if 0 <= model < len(self.names) else ""
-            self._box(frontend).events.append((ipc.REJECTED, key, what or f"no model {model} in this engine"))
+            self._box(frontend).events.append(ipc.Rejected(key, what or f"no model {model} in this engine"))
             return
         asked, model = self.names[model], current
         if priority == Priority.REALTIME and self.headroom.admit_load:  # (off: no count per open)
             realtime = sum(self._priority[slot] == Priority.REALTIME for slot in self._slot_of.values())
             why = self.headroom.refuse(realtime, self._realtime_step_cost)
             if why is not None:
-                self._box(frontend).events.append((ipc.REJECTED, key, why, RETRY_AFTER_S, "overloaded"))
+                self._box(frontend).events.append(ipc.Rejected(key, why, RETRY_AFTER_S, "overloaded"))
                 if self.metrics is not None:
                     self.metrics.refused_for_load()
                 return
         try:
             shed = self.scheduler.admit(priority)
         except AdmissionError as err:
-            self._box(frontend).events.append((ipc.REJECTED, key, str(err)))
+            self._box(frontend).events.append(ipc.Rejected(key, str(err)))
             return
         if shed is not None:
             owner = self._owner[shed]
@@ -321,7 +321,7 @@ class EngineCore:
             del self._slot_of[owner]
             self._release(shed)
             self._box(owner[0]).events.append(
-                (ipc.SHED, owner[1], "a BATCH session was ended to make room for REALTIME sessions; retry later")
+                ipc.Shed(owner[1], "a BATCH session was ended to make room for REALTIME sessions; retry later")
             )
         slot = self._free.pop()  # (admit() made room: there is one)
         self.scheduler.add(slot, priority, model)
@@ -332,7 +332,7 @@ class EngineCore:
         self._holders[model] += 1
         self._fresh[slot] = 1
         self._slot_of[(frontend, key)] = slot
-        self._box(frontend).events.append((ipc.OPENED, key, model))
+        self._box(frontend).events.append(ipc.Opened(key, model))
 
     def _reset(self, frontend: int, key: int, slot: int) -> None:
         """A new utterance: zeroed caches, on the current version of the session's model."""
@@ -353,7 +353,7 @@ class EngineCore:
         self.scheduler.move(slot, current)
         # Before any result of its next utterance (events precede results, and nothing of this session is in
         # flight): the frontend decodes those with the new version.
-        self._box(frontend).events.append((ipc.MOVED, key, current))
+        self._box(frontend).events.append(ipc.Moved(key, current))
         self._drop_holder(model)
 
     def _release(self, slot: int) -> None:
@@ -626,7 +626,7 @@ class EngineCore:
         """Frontends connected whose gRPC port is open."""
         return len(self._listening)
 
-    def post(self, frontend: int, event: tuple) -> None:
+    def post(self, frontend: int, event: ipc.Event) -> None:
         """Queue an event for ``frontend`` in its next message."""
         self._box(frontend).events.append(event)
 

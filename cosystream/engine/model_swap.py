@@ -113,29 +113,30 @@ def admin(core: EngineCore, loader: ModelLoader, info: ipc.EngineInfo, infos: li
     thread) -> PREPARE to every frontend -> their PREPARED -> installed between two steps -> MODELS -> LOADED.
     Returns the info a new frontend's HELLO gets."""
     for frontend, op in core.admin_ops:
-        if op[0] == ipc.LOAD:
-            error = loader.start(frontend, *op[1:])
-            if error:
-                core.post(frontend, (ipc.LOADED, op[1], None, ipc.BUSY, error, 0.0, 0.0))
-        elif op[0] == ipc.UNLOAD:
-            core.post(frontend, (ipc.UNLOADED, op[1], _unload(core, op[2])))
-        elif loader.preparing is not None and op[1] == loader.preparing.request:  # PREPARED
-            loader.waiting.discard(frontend)
-            if op[2]:
-                loader.refusals.append(op[2])
+        match op:
+            case ipc.Load():
+                error = loader.start(frontend, op.request, op.name, op.path, op.precision)
+                if error:
+                    core.post(frontend, ipc.Loaded(op.request, None, ipc.BUSY, error, 0.0, 0.0))
+            case ipc.Unload():
+                core.post(frontend, ipc.Unloaded(op.request, _unload(core, op.name)))
+            case ipc.Prepared() if loader.preparing is not None and op.request == loader.preparing.request:
+                loader.waiting.discard(frontend)
+                if op.error:
+                    loader.refusals.append(op.error)
     core.admin_ops.clear()
     while not loader.done.empty():
         loaded = loader.done.get()
         if loaded.runner is None:
             log.warning("model %s not loaded: %s", loaded.name, loaded.error)
-            core.post(loaded.frontend, (ipc.LOADED, loaded.request, None, ipc.LOAD_FAILED, loaded.error, 0.0, 0.0))
+            core.post(loaded.frontend, ipc.Loaded(loaded.request, None, ipc.LOAD_FAILED, loaded.error, 0.0, 0.0))
             loader.finished()
             continue
         # Its id once installed: the next index (one load at a time, and only installs add indices).
         loaded.info = dataclasses.replace(loaded.info, id=len(core.models))
         loader.preparing, loader.waiting, loader.refusals = loaded, set(frontends.values()), []
         for frontend in loader.waiting:
-            core.post(frontend, (ipc.PREPARE, loaded.request, loaded.info))
+            core.post(frontend, ipc.Prepare(loaded.request, loaded.info))
     loaded = loader.preparing
     if loaded is None or loader.waiting:
         return info
@@ -144,7 +145,7 @@ def admin(core: EngineCore, loader: ModelLoader, info: ipc.EngineInfo, infos: li
     if loader.refusals:
         error = f"the server cannot decode {loaded.info.path}: {loader.refusals[0]}"
         log.warning("model %s not installed: %s", loaded.name, error)
-        core.post(loaded.frontend, (ipc.LOADED, loaded.request, None, ipc.UNDECODABLE, error, 0.0, loaded.load_s))
+        core.post(loaded.frontend, ipc.Loaded(loaded.request, None, ipc.UNDECODABLE, error, 0.0, loaded.load_s))
         return info
     # What the loop pays for a new model: the install, the announcement, the idle sessions' moves.
     started = time.perf_counter()
@@ -166,7 +167,7 @@ def admin(core: EngineCore, loader: ModelLoader, info: ipc.EngineInfo, infos: li
         loaded.load_s,
         install_s * 1e3,
     )
-    core.post(loaded.frontend, (ipc.LOADED, loaded.request, loaded.info, "", "", install_s, loaded.load_s))
+    core.post(loaded.frontend, ipc.Loaded(loaded.request, loaded.info, "", "", install_s, loaded.load_s))
     return info
 
 
@@ -191,5 +192,5 @@ def announce_models(core: EngineCore, info: ipc.EngineInfo, infos: list, fronten
         info, models=tuple(infos[index] for index in core.served.values()), held_models=len(core.held_models)
     )
     for frontend in frontends:
-        core.post(frontend, (ipc.MODELS, info.models, info.held_models))
+        core.post(frontend, ipc.Models(info.models, info.held_models))
     return info

@@ -394,7 +394,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
         while not stop.is_set():
             while not incoming.empty():
                 conn = incoming.get()
-                conn.send(ipc.ToFrontend(events=[(ipc.HELLO, info)]).pack())
+                conn.send_bytes(ipc.ToFrontend(events=[ipc.Hello(info)]).pack())
                 frontends[conn] = next_id
                 next_id += 1
                 announced = None  # the new frontend learns the counts
@@ -405,7 +405,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
             waited_s = time.perf_counter() - waiting_since
             for conn in ready:
                 try:
-                    message = conn.recv()
+                    message = conn.recv_bytes()
                 except (EOFError, OSError):
                     core.disconnect(frontend := frontends.pop(conn))
                     loader.forget(frontend)
@@ -423,7 +423,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
             if frontends and counts != announced:
                 announced = counts
                 for frontend in frontends.values():
-                    core.post(frontend, (ipc.ACTIVE, *counts))
+                    core.post(frontend, ipc.Active(*counts))
             boxes = core.take_outbox()
             if boxes:
                 by_id = {frontend: conn for conn, frontend in frontends.items()}
@@ -431,7 +431,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                     conn = by_id.get(frontend)
                     if conn is not None:
                         try:
-                            conn.send(box.pack())
+                            conn.send_bytes(box.pack())
                         except OSError:
                             core.disconnect(frontend := frontends.pop(conn))
                             loader.forget(frontend)

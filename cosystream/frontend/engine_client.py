@@ -151,7 +151,7 @@ class EngineClient:
         self._next_key = 0
         self._pending = ipc.ToEngine()
         self._flush_scheduled = False
-        self._outgoing: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._reconnecting: asyncio.Task | None = None
         self._closing = False
@@ -169,17 +169,16 @@ class EngineClient:
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, EOFError):
                 await asyncio.sleep(CONNECT_RETRY_S)
         try:
-            hello = ipc.ToFrontend.unpack(await self._readable(conn, HELLO_TIMEOUT_S))
-            kind, info = hello.events[0]
-            if kind != ipc.HELLO:
-                raise RuntimeError(f"engine sent {kind} before HELLO")
+            (hello, *_) = ipc.ToFrontend.unpack(await self._readable(conn, HELLO_TIMEOUT_S)).events
+            if not isinstance(hello, ipc.Hello):
+                raise RuntimeError(f"engine sent {type(hello).__name__} before Hello")
         except BaseException:
             conn.close()
             raise
         renewed = self.info is not None
-        self.info = info
+        self.info = hello.info
         if renewed and self.on_models is not None:  # (a restarted engine: its models as it started them)
-            self.on_models(info)
+            self.on_models(self.info)
         self._conn = conn
         self._loop.add_reader(conn.fileno(), self._on_readable)
         self._outgoing = queue.SimpleQueue()
@@ -193,7 +192,7 @@ class EngineClient:
         self._changed()
         return self.info
 
-    async def _readable(self, conn: Connection, timeout_s: float):
+    async def _readable(self, conn: Connection, timeout_s: float) -> bytes:
         """The next message on ``conn``, waiting on the event loop (not in a thread)."""
         ready = asyncio.Event()
         self._loop.add_reader(conn.fileno(), ready.set)
@@ -201,7 +200,7 @@ class EngineClient:
             await asyncio.wait_for(ready.wait(), timeout_s)
         finally:
             self._loop.remove_reader(conn.fileno())
-        return conn.recv()
+        return conn.recv_bytes()
 
     def mark_listening(self) -> None:
         """This frontend's gRPC port is open: the engine counts it towards SERVING."""
@@ -210,7 +209,7 @@ class EngineClient:
             self._announce_listening()
 
     def _announce_listening(self) -> None:
-        self._pending.ops.append((ipc.LISTENING, 0))
+        self._pending.ops.append(ipc.Listening())
         self._schedule_flush()
 
     def close_connection(self) -> None:
@@ -253,7 +252,7 @@ class EngineClient:
 
     def open(self, key: int, priority: Priority, sink: SessionSink, model: int = 0) -> None:
         self._sinks[key] = sink
-        self._pending.ops.append((ipc.OPEN, key, int(priority), model))
+        self._pending.ops.append(ipc.Open(key, int(priority), model))
         self._schedule_flush()
 
     def send_frames(self, key: int, frames: np.ndarray) -> None:
@@ -261,30 +260,31 @@ class EngineClient:
         self._schedule_flush()
 
     def end_utterance(self, key: int) -> None:
-        self._pending.ops.append((ipc.END, key))
+        self._pending.ops.append(ipc.End(key))
         self._schedule_flush()
 
     def reset(self, key: int) -> None:
-        self._pending.ops.append((ipc.RESET, key))
+        self._pending.ops.append(ipc.Reset(key))
         self._schedule_flush()
 
     def close(self, key: int) -> None:
         if self._sinks.pop(key, None) is not None:
-            self._pending.ops.append((ipc.CLOSE, key))
+            self._pending.ops.append(ipc.Close(key))
             self._schedule_flush()
 
     async def load_model(self, name: str, path: str, precision: str = "") -> LoadResult:
-        failure, error, model, install_s, load_s = await self._request(ipc.LOAD, name, path, precision)
-        if failure:
-            raise ModelLoadError(failure, error)
-        return LoadResult(model, load_s, install_s)
+        loaded = await self._request(lambda request: ipc.Load(request, name, path, precision))
+        if loaded.failure:
+            raise ModelLoadError(loaded.failure, loaded.error)
+        return LoadResult(loaded.model, loaded.load_s, loaded.install_s)
 
     async def unload_model(self, name: str) -> None:
-        (error,) = await self._request(ipc.UNLOAD, name)
-        if error:
-            raise ModelLoadError("unload", error)
+        unloaded = await self._request(lambda request: ipc.Unload(request, name))
+        if unloaded.error:
+            raise ModelLoadError("unload", unloaded.error)
 
-    async def _request(self, op: int, *args) -> tuple:
+    async def _request(self, op: Callable[[int], ipc.Op]) -> ipc.Event:
+        """Send ``op(request)`` and await the engine's answer, the ``Loaded`` or ``Unloaded`` naming it."""
         if not self.connected:
             raise ModelLoadError(ipc.BUSY, "the engine is restarting; retry in a moment")
         self._next_request += 1
@@ -292,7 +292,7 @@ class EngineClient:
         future = self._loop.create_future()
         self._requests[request] = future
         try:
-            self._pending.ops.append((op, request, *args))
+            self._pending.ops.append(op(request))
             self._schedule_flush()
             return await future
         finally:
@@ -305,10 +305,10 @@ class EngineClient:
             log.exception("preparing to decode model %s failed", model.name)
             error = str(err) or type(err).__name__
         if self.connected:
-            self._pending.ops.append((ipc.PREPARED, request, error))
+            self._pending.ops.append(ipc.Prepared(request, error))
             self._schedule_flush()
 
-    def _answer(self, request: int, *answer) -> None:
+    def _answer(self, request: int, answer: ipc.Event) -> None:
         future = self._requests.get(request)
         if future is not None and not future.done():
             future.set_result(answer)
@@ -340,7 +340,7 @@ class EngineClient:
         """The sender thread: messages in order; a failed send hands the loss to the event loop."""
         while (message := outgoing.get()) is not None:
             try:
-                conn.send(message)
+                conn.send_bytes(message)
             except OSError as err:
                 log.debug("engine connection lost while sending: %s", err)
                 self._loop.call_soon_threadsafe(self._lost)
@@ -348,51 +348,55 @@ class EngineClient:
 
     def _on_readable(self) -> None:
         try:
-            box = ipc.ToFrontend.unpack(self._conn.recv())
+            box = ipc.ToFrontend.unpack(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._lost()
             return
         for event in box.events:
-            kind = event[0]
-            if kind == ipc.ACTIVE:
-                self._engine_sessions, self._listening_frontends, self.load = event[1], event[2], event[3]
-                self._changed()
-                continue
-            if kind >= ipc.MODELS and kind != ipc.MOVED:
-                self._model_event(event)
-                continue
-            sink = self._sinks.get(event[1])
-            if sink is None:
-                continue
-            if kind == ipc.OPENED:
-                sink.on_opened(event[2])
-            elif kind == ipc.MOVED:
-                sink.on_moved(event[2])
-            elif kind in (ipc.REJECTED, ipc.SHED):
-                self._sinks.pop(event[1], None)
-                sink.on_refused(event[2], kind == ipc.SHED, event[3] if len(event) > 3 else None)
+            match event:
+                case ipc.Active():
+                    self._engine_sessions, self._listening_frontends = event.sessions, event.listening
+                    self.load = event.report
+                    self._changed()
+                case ipc.Opened() | ipc.Moved() | ipc.Rejected() | ipc.Shed():
+                    self._session_event(event)
+                case _:
+                    self._model_event(event)
         sinks = self._sinks
-        for keys, ids, logprobs, queue_s, compute_s in box.steps:
-            for row, key in enumerate(keys):
+        for step in box.steps:
+            for row, key in enumerate(step.keys):
                 sink = sinks.get(key)
                 if sink is not None:
-                    sink.on_results(ids[row], logprobs[row], queue_s[row], compute_s)
+                    sink.on_results(step.ids[row], step.logprobs[row], step.queue_s[row], step.compute_s)
 
-    def _model_event(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == ipc.MODELS:
-            self.info = dataclasses.replace(self.info, models=event[1], held_models=event[2])
-            if self.on_models is not None:
-                self.on_models(self.info)
-        elif kind == ipc.PREPARE:
-            task = self._loop.create_task(self._prepare(event[1], event[2]))
-            self._tasks.add(task)  # (the loop keeps only a weak reference)
-            task.add_done_callback(self._tasks.discard)
-        elif kind == ipc.LOADED:
-            _, request, model, failure, error, install_s, load_s = event
-            self._answer(request, failure, error, model, install_s, load_s)
-        elif kind == ipc.UNLOADED:
-            self._answer(event[1], event[2])
+    def _session_event(self, event: ipc.Opened | ipc.Moved | ipc.Rejected | ipc.Shed) -> None:
+        sink = self._sinks.get(event.key)
+        if sink is None:
+            return
+        match event:
+            case ipc.Opened():
+                sink.on_opened(event.model)
+            case ipc.Moved():
+                sink.on_moved(event.model)
+            case ipc.Rejected():
+                del self._sinks[event.key]
+                sink.on_refused(event.message, False, event.retry_after_s)
+            case ipc.Shed():
+                del self._sinks[event.key]
+                sink.on_refused(event.message, True)
+
+    def _model_event(self, event: ipc.Event) -> None:
+        match event:
+            case ipc.Models():
+                self.info = dataclasses.replace(self.info, models=event.models, held_models=event.held)
+                if self.on_models is not None:
+                    self.on_models(self.info)
+            case ipc.Prepare():
+                task = self._loop.create_task(self._prepare(event.request, event.model))
+                self._tasks.add(task)  # (the loop keeps only a weak reference)
+                task.add_done_callback(self._tasks.discard)
+            case ipc.Loaded() | ipc.Unloaded():
+                self._answer(event.request, event)
 
     def _lost(self) -> None:
         if self._conn is None:
