@@ -14,20 +14,20 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener
 
 import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig
 from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.frontends import FrontendConnections
 from cosystream.engine.model_swap import ModelLoader, admin, announce_models
 from cosystream.engine.prctl import exit_with_parent, set_process_name
 from cosystream.logs import configure as configure_logs
@@ -349,26 +349,63 @@ def server_info(
 
 
 def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener, stop: threading.Event) -> None:
-    sources = config.models or model_sources([])
-    # Per model index, as the frontends see it (None once freed).
-    infos: list[ipc.ModelInfo | None] = [
-        dataclasses.replace(model_info(m, s), id=index)
-        for index, (m, s) in enumerate(zip(core.models, sources, strict=True))
-    ]
-    info = server_info(
-        core.model,
-        core.device,
-        core.config.max_sessions,  # (on CUDA, what the device's memory holds: fit_slab)
-        core.runner.config.graph_mode,
-        core.runner.top_k,
-        infos,
-    )
-    info = dataclasses.replace(info, held_models=len(core.held_models))
+    """The loop, until ``stop``: greet new frontends, read what arrived (without waiting while there is work),
+    handle admin ops, run one scheduled step, send each frontend one message, report."""
+    models = _Models(config, core)
+    frontends = FrontendConnections(core, listener, stop, models.loader)
+    reports = _Reports(core)
+    iteration_start = time.perf_counter()
+    try:
+        while not stop.is_set():
+            if frontends.accept(models.info):
+                reports.announced = None  # the new frontend learns the counts
+            waited_s = frontends.receive(IDLE_WAIT_S)
+            models.update(frontends.ids)
+            core.step()
+            reports.announce(frontends.ids)
+            frontends.send(core.take_outbox())
+            iteration_end = time.perf_counter()
+            core.observe_load(iteration_end - iteration_start - waited_s)  # (adaptive: the loop's busy time)
+            iteration_start = iteration_end
+            reports.periodic(time.monotonic())
+    finally:
+        listener.close()
+        frontends.close()
+        if os.path.exists(config.address):
+            os.unlink(config.address)
+        log.info("engine stopped")
 
-    def build(name: str, path: str, precision: str = "") -> tuple[Runner, ipc.ModelInfo]:
+
+class _Models:
+    """The models as the frontends are told of them (the HELLO info, each model index's info) and the loads
+    and unloads the frontends ask for (``model_swap``)."""
+
+    def __init__(self, config: EngineProcessConfig, core: EngineCore):
+        self.core = core
+        sources = config.models or model_sources([])
+        # Per model index, as the frontends see it (None once freed).
+        self.infos: list[ipc.ModelInfo | None] = [
+            dataclasses.replace(model_info(m, s), id=index)
+            for index, (m, s) in enumerate(zip(core.models, sources, strict=True))
+        ]
+        info = server_info(
+            core.model,
+            core.device,
+            core.config.max_sessions,  # (on CUDA, what the device's memory holds: fit_slab)
+            core.runner.config.graph_mode,
+            core.runner.top_k,
+            self.infos,
+        )
+        self.info = dataclasses.replace(info, held_models=len(core.held_models))  # what a new frontend is told
+        self.loader = ModelLoader(core, self._build)
+        self._changes = core.model_changes
+
+    def _build(self, name: str, path: str, precision: str = "") -> tuple[Runner, ipc.ModelInfo]:
+        """The loader's ``build``, in its thread."""
         from cosystream.models import load_model
         from cosystream.models.loading import check_precision
 
+        core, infos = self.core, self.infos
         use_device(core.device)  # (the current CUDA device is per thread)
         served = core.served.get(name)  # (a new version keeps the precision its name is served at)
         current = infos[served].precision if served is not None and infos[served] is not None else PRECISIONS[0]
@@ -379,80 +416,45 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
         warm_up_runner(runner)
         return runner, model_info(model, source)
 
-    loader = ModelLoader(core, build)
-    model_changes = core.model_changes
-    incoming: queue.SimpleQueue[Connection] = queue.SimpleQueue()
-    threading.Thread(target=_accept, args=(listener, incoming, stop), daemon=True, name="accept").start()
-    frontends: dict[Connection, int] = {}
-    next_id = 0
-    last_metrics = 0.0
-    announced = None  # (sessions, listening frontends) as frontends were last told
-    last_stats = time.monotonic()
-    logged = dataclasses.replace(core.scheduler.stats)
-    iteration_start = time.perf_counter()
-    try:
-        while not stop.is_set():
-            while not incoming.empty():
-                conn = incoming.get()
-                conn.send_bytes(ipc.ToFrontend(events=[ipc.Hello(info)]).pack())
-                frontends[conn] = next_id
-                next_id += 1
-                announced = None  # the new frontend learns the counts
-            waiting_since = time.perf_counter()
-            ready = wait(list(frontends), timeout=core.wait_s(IDLE_WAIT_S)) if frontends else []
-            if not frontends:
-                time.sleep(IDLE_WAIT_S)
-            waited_s = time.perf_counter() - waiting_since
-            for conn in ready:
-                try:
-                    message = conn.recv_bytes()
-                except (EOFError, OSError):
-                    core.disconnect(frontend := frontends.pop(conn))
-                    loader.forget(frontend)
-                    conn.close()
-                    continue
-                core.handle(frontends[conn], message)
-            if core.admin_ops or not loader.done.empty() or (loader.preparing and not loader.waiting):
-                info = admin(core, loader, info, infos, frontends)
-            if core.model_changes != model_changes:
-                # (Before the step: nothing the frontends get may name a model id they have not been told of.)
-                model_changes = core.model_changes
-                info = announce_models(core, info, infos, frontends.values())
-            core.step()
-            counts = (core.session_count, core.listening_frontends, core.report)
-            if frontends and counts != announced:
-                announced = counts
-                for frontend in frontends.values():
-                    core.post(frontend, ipc.Active(*counts))
-            boxes = core.take_outbox()
-            if boxes:
-                by_id = {frontend: conn for conn, frontend in frontends.items()}
-                for frontend, box in boxes.items():
-                    conn = by_id.get(frontend)
-                    if conn is not None:
-                        try:
-                            conn.send_bytes(box.pack())
-                        except OSError:
-                            core.disconnect(frontend := frontends.pop(conn))
-                            loader.forget(frontend)
-            iteration_end = time.perf_counter()
-            core.observe_load(iteration_end - iteration_start - waited_s)  # (adaptive: the loop's busy time)
-            iteration_start = iteration_end
-            now = time.monotonic()
-            if now - last_metrics > METRICS_PERIOD_S:
-                last_metrics = now
-                core.metrics.set_active(core.active_sessions())
-                core.metrics.set_model_sessions(core.model_sessions())
-            if now - last_stats > STATS_LOG_PERIOD_S:
-                logged = log_stats(core, logged, now - last_stats)
-                last_stats = now
-    finally:
-        listener.close()
-        for conn in frontends:
-            conn.close()
-        if os.path.exists(config.address):
-            os.unlink(config.address)
-        log.info("engine stopped")
+    def update(self, frontends: dict[Connection, int]) -> None:
+        """Admin ops and finished loads, then any change of the models served to every frontend. Before the
+        step: nothing the frontends get may name a model id they have not been told of."""
+        core, loader = self.core, self.loader
+        if core.admin_ops or not loader.done.empty() or (loader.preparing and not loader.waiting):
+            self.info = admin(core, loader, self.info, self.infos, frontends)
+        if core.model_changes != self._changes:
+            self._changes = core.model_changes
+            self.info = announce_models(core, self.info, self.infos, frontends.values())
+
+
+class _Reports:
+    """What the engine says of itself: ACTIVE to every frontend when the counts change, the metrics' session
+    gauges every METRICS_PERIOD_S, a log line of the scheduler's work every STATS_LOG_PERIOD_S."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.announced: tuple | None = None  # (sessions, listening frontends, load) as frontends were last told
+        self._last_metrics = 0.0
+        self._last_stats = time.monotonic()
+        self._logged = dataclasses.replace(core.scheduler.stats)
+
+    def announce(self, frontends: dict[Connection, int]) -> None:
+        core = self.core
+        counts = (core.session_count, core.listening_frontends, core.report)
+        if frontends and counts != self.announced:
+            self.announced = counts
+            for frontend in frontends.values():
+                core.post(frontend, ipc.Active(*counts))
+
+    def periodic(self, now: float) -> None:
+        core = self.core
+        if now - self._last_metrics > METRICS_PERIOD_S:
+            self._last_metrics = now
+            core.metrics.set_active(core.active_sessions())
+            core.metrics.set_model_sessions(core.model_sessions())
+        if now - self._last_stats > STATS_LOG_PERIOD_S:
+            self._logged = log_stats(core, self._logged, now - self._last_stats)
+            self._last_stats = now
 
 
 def log_stats(core: EngineCore, before, period_s: float):
@@ -475,13 +477,3 @@ def log_stats(core: EngineCore, before, period_s: float):
             batch_frames,
         )
     return now
-
-
-def _accept(listener: Listener, incoming: queue.SimpleQueue, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            incoming.put(listener.accept())
-        except OSError:
-            return
-        except Exception:
-            log.exception("a frontend failed to connect")
