@@ -245,3 +245,43 @@ def test_two_engines_on_one_gpu_each_capture_their_graphs_and_serve():
             for stream in held:
                 stream.close()
         assert all(stream.error is None for stream in held), [stream.error for stream in held]
+
+
+def test_a_frontend_gone_before_its_hello_leaves_the_engine_serving(tmp_path):
+    """A frontend that connects and dies before the engine greets it (a crash at start-up, an OOM kill) is
+    dropped; the engine goes on serving the others (it used to exit on the broken pipe of the HELLO)."""
+    import asyncio
+    from multiprocessing.connection import Client
+
+    from cosystream.engine.process import EngineProcessConfig, start_engine
+    from cosystream.engine.scheduler import Priority
+    from cosystream.frontend.engine_client import EngineClient
+    from cosystream.models import FRAME_SAMPLES
+
+    config = EngineProcessConfig(address=str(tmp_path / "e.sock"), authkey=b"k" * 16, device="cpu")
+    handle = start_engine(config)
+    try:
+        assert handle.wait_ready(120)
+        for _ in range(20):
+            Client(config.address, family="AF_UNIX", authkey=config.authkey).close()
+        frames = np.zeros((5, FRAME_SAMPLES), dtype=np.float32)
+
+        async def run() -> Sink:
+            pool = EngineClient(config.address, config.authkey)
+            await pool.connect()
+            sink = Sink()
+            pool.open(key := pool.new_key(), Priority.REALTIME, sink)
+            pool.send_frames(key, frames)
+            for _ in range(250):
+                await asyncio.sleep(0.02)
+                if sink.frames == len(frames):
+                    break
+            pool.close_connection()
+            return sink
+
+        sink = asyncio.run(run())
+        assert handle.process.is_alive()
+        assert sink.refused == [] and sink.frames == len(frames)
+    finally:
+        handle.process.terminate()
+        handle.process.join(10)

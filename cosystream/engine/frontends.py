@@ -36,7 +36,12 @@ class FrontendConnections:
         accepted = False
         while not self._incoming.empty():
             conn = self._incoming.get()
-            conn.send_bytes(ipc.ToFrontend(events=[ipc.Hello(info)]).pack())
+            try:
+                conn.send_bytes(ipc.ToFrontend(events=[ipc.Hello(info)]).pack())
+            except OSError as err:  # (it went away before its greeting: nothing of it to free)
+                log.warning("a frontend left before the engine greeted it: %s", err)
+                conn.close()
+                continue
             self.ids[conn] = self._next_id
             self._next_id += 1
             accepted = True
