@@ -1,4 +1,5 @@
-"""A native stream opened in-process: how the HTTP adapters run a session without a gRPC call.
+"""A native stream opened in-process: how the HTTP and the Google / Riva adapters run a session without a gRPC
+call.
 
 :class:`NativeStream` validates a ``StreamingConfig``, has the frontend's host (``frontend/host.py``) admit
 and open its session, and feeds it what :meth:`~NativeStream.send_audio` and the others queue (a bounded
@@ -33,6 +34,13 @@ QUEUED_REQUESTS = 64
 
 _HALF_CLOSE = object()
 _FINALIZE = object()
+
+
+class _Refusal:
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 class StreamEnded(Exception):
@@ -92,6 +100,13 @@ class NativeStream:
         if not self._closed:
             await self._queue.put(_FINALIZE)
 
+    async def refuse(self, message: str) -> None:
+        """End the session INVALID_ARGUMENT with ``message`` (a request its client may not send), after what was
+        sent before it."""
+        if not self._closed:
+            self._closed = True
+            await self._queue.put(_Refusal(message))
+
     def half_close(self) -> None:
         """No more requests: the stream ends OK after the final of everything sent."""
         if not self._closed:
@@ -121,6 +136,9 @@ class NativeStream:
                 item = await self._queue.get()
                 if item is _HALF_CLOSE:
                     break
+                if isinstance(item, _Refusal):
+                    stream.fail(Status.INVALID_ARGUMENT, item.message)
+                    return
                 stream.heard()
                 if not (stream.finalize() if item is _FINALIZE else await stream.feed(item)):
                     return  # (the session reads no more)

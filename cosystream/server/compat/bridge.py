@@ -1,11 +1,11 @@
-"""What the Google and Riva adapters share: a foreign stream driven through the native servicer.
+"""What the Google and Riva adapters share: a foreign stream run as a native session.
 
 An adapter is not a second engine. Per stream it reads the foreign config, validates it with the foreign
-protocol's wording, reads up to the first audio to sniff a WAV header, and then hands
-``CosyStreamServicer.StreamingRecognize`` an async iterator of native requests (config first, then the
-audio, downmixed when it has several channels). Each native response is translated into zero or more
-foreign ones. Errors keep the native status codes, except where a protocol's clients mishandle one
-before the first response (:class:`AbortGuard`).
+protocol's wording, reads up to the first audio to sniff a WAV header, and then opens a native session in
+this process (:class:`~cosystream.server.native.NativeStream`, over the frontend's sessions) with the native
+config, and feeds it the audio (downmixed when it has several channels, or one session per channel). Each
+native response is translated into zero or more foreign ones. Errors keep the native status codes, except
+where a protocol's clients mishandle one before the first response (:class:`AbortGuard`).
 
 Both protocols name their request oneof's fields ``streaming_config`` and ``audio_content``, and their
 config fields ``encoding``, ``sample_rate_hertz`` and ``audio_channel_count``, so the audio side is
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -34,6 +34,8 @@ from cosystream.audio.codecs import (
 from cosystream.audio.streams import COMPRESSED
 from cosystream.audio.wav import WAV_SNIFF_BYTES, WavFormat, is_wav, parse_wav_header
 from cosystream.decoding.phrases import MAX_BOOST
+from cosystream.server.auth import current_token
+from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.retry import retry_metadata
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
@@ -41,7 +43,6 @@ from cosystream.v1 import cosystream_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_CHANNELS = 8
-QUEUED_PER_CHANNEL = 64  # requests split for a channel's session before the reader waits for it
 _REJECTED = {grpc.StatusCode.DEADLINE_EXCEEDED: "idle_timeout"}  # the native servicer's metric labels
 DEFAULT_RATE_HZ = 16000  # only for a stream that ends before any audio, so that it ends OK
 
@@ -61,11 +62,11 @@ class CompatError(Exception):
 
 
 class AbortGuard:
-    """The servicer context the native servicer sees for a foreign stream.
+    """A foreign stream's status and initial metadata, on their way to its call's context.
 
     Aborts pass through it so that a protocol can replace status codes its clients mishandle before the
     first response (Google's client retries UNAVAILABLE and DEADLINE_EXCEEDED with a half-consumed request
-    iterator). Everything else is the real context.
+    iterator).
     """
 
     def __init__(self, context: grpc.aio.ServicerContext, early_codes: Mapping[grpc.StatusCode, grpc.StatusCode]):
@@ -79,15 +80,19 @@ class AbortGuard:
             code = self._early_codes.get(code, code)
         await self._context.abort(code, details, trailing_metadata)
 
-    async def send_initial_metadata(self, metadata) -> None:
-        """Once: a stream recognized per channel runs a native session per channel, and the call has one set
-        of initial metadata (the first channel's session id)."""
-        if not self._metadata_sent:
-            self._metadata_sent = True
-            await self._context.send_initial_metadata(metadata)
+    async def end(self, ended: StreamEnded) -> None:
+        """End the call as the native session ended (nothing if OK)."""
+        if ended.code != grpc.StatusCode.OK:
+            await self.abort(
+                ended.code, ended.message, retry_metadata(ended.code, ended.message, ended.retry_after_s)
+            )
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
+    async def announce(self, stream: NativeStream) -> None:
+        """Once the session is accepted, its id as the call's initial metadata (once: a stream recognized per
+        channel runs a native session per channel, and the call has one set: the first channel's)."""
+        if await stream.accepted() and not self._metadata_sent:
+            self._metadata_sent = True
+            await self._context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,24 +277,21 @@ class AudioInput:
         self._head = bytes(head)
         return wav
 
-    def _audio(self, data: bytes) -> pb.StreamingRecognizeRequest | None:
-        if self._downmix is not None:
-            data = self._downmix.push(data)
-        return pb.StreamingRecognizeRequest(audio=data) if data else None
-
-    async def native_requests(
-        self, audio: AudioFormat, config: pb.StreamingConfig
-    ) -> AsyncIterator[pb.StreamingRecognizeRequest]:
-        """The native stream: ``config`` with the resolved audio format filled in, then the audio."""
+    def native_config(self, audio: AudioFormat, config: pb.StreamingConfig) -> pb.StreamingConfig:
+        """``config`` with the resolved audio format filled in (multi-channel audio downmixed to LINEAR16)."""
         encoding = audio.encoding
         if audio.channels > 1 and encoding not in COMPRESSED:  # (compressed audio: its decoder downmixes)
             self._downmix = Downmixer(encoding, audio.channels)
             encoding = AudioEncoding.LINEAR16
         config.encoding = int(encoding)
         config.sample_rate_hz = audio.sample_rate_hz
-        yield pb.StreamingRecognizeRequest(config=config)
-        if self._head and (request := self._audio(self._head)) is not None:
-            yield request
+        return config
+
+    async def _audio(self) -> AsyncIterator[bytes | str]:
+        """The audio after the config (downmixed if :meth:`native_config` says so), to the client's half-close
+        or :attr:`stopped`; a request the native API refuses as the reason it does (a str)."""
+        if self._head:
+            yield self._head
         foreign = self._pending
         while not self.stopped:
             if foreign is None:
@@ -300,49 +302,44 @@ class AudioInput:
                 except StopAsyncIteration:
                     return
             if foreign.HasField("audio_content"):
-                if (request := self._audio(foreign.audio_content)) is not None:
-                    yield request
+                yield foreign.audio_content
             elif foreign.HasField("streaming_config"):
-                # The native servicer refuses a second config (INVALID_ARGUMENT), and an empty request.
-                yield pb.StreamingRecognizeRequest(config=pb.StreamingConfig())
+                yield "StreamingConfig may be sent only once, first"
             else:
-                yield pb.StreamingRecognizeRequest()
+                yield "empty request: set config, audio or control"
             foreign = None
 
-    def channel_requests(
-        self, audio: AudioFormat, config: pb.StreamingConfig
-    ) -> tuple[list[AsyncIterator[pb.StreamingRecognizeRequest]], Callable[[], Awaitable[None]]]:
-        """Separate recognition per channel: one native request stream per channel (``config``, mono, then
-        that channel's samples), and the coroutine function that reads the foreign stream once and feeds
-        them all (run it beside the native streams)."""
+    async def feed(self, stream: NativeStream, guard: AbortGuard) -> None:
+        """Send ``stream`` the audio once it is accepted (its id announced through ``guard``), then
+        half-close it."""
+        await guard.announce(stream)
+        try:
+            async for data in self._audio():
+                if isinstance(data, str):
+                    await stream.refuse(data)
+                    return
+                if self._downmix is not None:
+                    data = self._downmix.push(data)
+                await stream.send_audio(data)
+        finally:
+            stream.half_close()
+
+    async def feed_channels(self, audio: AudioFormat, streams: list[NativeStream], guard: AbortGuard) -> None:
+        """Separate recognition per channel: each of ``streams`` (one per channel, mono, in the audio's own
+        encoding) its channel's samples, read off the foreign stream once; then half-close them."""
         splitter = ChannelSplitter(audio.encoding, audio.channels)
-        queues: list[asyncio.Queue] = [asyncio.Queue(QUEUED_PER_CHANNEL) for _ in range(audio.channels)]
-        config.encoding = int(audio.encoding)
-        config.sample_rate_hz = audio.sample_rate_hz
-
-        async def feed() -> None:
-            try:
-                interleaved = AudioFormat(audio.encoding, audio.sample_rate_hz, 1)  # (no downmix)
-                requests = self.native_requests(interleaved, pb.StreamingConfig())
-                await anext(requests)  # the combined stream's config: each channel sends its own
-                async for request in requests:
-                    if request.audio:
-                        for queue, samples in zip(queues, splitter.push(request.audio), strict=True):
-                            if samples:
-                                await queue.put(pb.StreamingRecognizeRequest(audio=samples))
-                    else:
-                        for queue in queues:  # a second config or an empty request: every channel refuses it
-                            await queue.put(request)
-            finally:
-                for queue in queues:
-                    await queue.put(None)
-
-        async def channel(queue: asyncio.Queue) -> AsyncIterator[pb.StreamingRecognizeRequest]:
-            yield pb.StreamingRecognizeRequest(config=config)
-            while (request := await queue.get()) is not None:
-                yield request
-
-        return [channel(queue) for queue in queues], feed
+        await guard.announce(streams[0])
+        try:
+            async for data in self._audio():
+                if isinstance(data, str):  # (every channel refuses it)
+                    for stream in streams:
+                        await stream.refuse(data)
+                    return
+                for stream, samples in zip(streams, splitter.push(data), strict=True):
+                    await stream.send_audio(samples)
+        finally:
+            for stream in streams:
+                stream.half_close()
 
 
 class Translation:
@@ -381,6 +378,7 @@ class StreamAdapter:
     async def StreamingRecognize(self, request_iterator, context):
         guard = AbortGuard(context, self.early_codes)
         audio = AudioInput(aiter(request_iterator), self.servicer.options.idle_timeout_s)
+        token = current_token()
         try:
             translation = self.open(await audio.next_request())
             check_declared(translation.declared)
@@ -397,51 +395,57 @@ class StreamAdapter:
                     f"enable_separate_recognition_per_channel: a {translation.encoding_names[audio_format.encoding]}"
                     " stream is recognized downmixed; send LINEAR16 or MULAW for one session per channel",
                 )
-            async for foreign in self._per_channel(audio, audio_format, translation, guard):
+            async for foreign in self._per_channel(audio, audio_format, translation, guard, token):
                 yield foreign
             return
-        native = self.servicer.StreamingRecognize(
-            audio.native_requests(audio_format, translation.native_config), guard
-        )
+        stream = NativeStream(self.servicer, audio.native_config(audio_format, translation.native_config), token)
+        feeder = asyncio.ensure_future(audio.feed(stream, guard))
+        responses = stream.responses()
         try:
-            async for response in native:
+            async for response in responses:
                 for foreign in translation.translate(response):
                     guard.responded = True
                     yield foreign
                 audio.stopped = translation.stop_audio
                 if translation.done:
                     break
+        except StreamEnded as ended:
+            await guard.end(ended)
         finally:
-            await native.aclose()
+            feeder.cancel()
+            await responses.aclose()
+            await asyncio.gather(feeder, return_exceptions=True)
 
     async def _per_channel(
-        self, audio: AudioInput, audio_format: AudioFormat, translation: Translation, guard: AbortGuard
+        self, audio: AudioInput, audio_format: AudioFormat, translation: Translation, guard: AbortGuard, token
     ) -> AsyncIterator[Any]:
         """Separate recognition per channel: a native session per channel (each a session of its own,
         counted as one), their responses merged in the order they come, tagged with their channel. The
         stream ends when every channel's session has; the first to fail ends them all with its status."""
-        channels, feed = audio.channel_requests(audio_format, translation.native_config)
+        config = translation.native_config
+        config.encoding = int(audio_format.encoding)
+        config.sample_rate_hz = audio_format.sample_rate_hz
+        streams = [NativeStream(self.servicer, _copy(config), token) for _ in range(audio_format.channels)]
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def run(tag: int, requests: AsyncIterator[pb.StreamingRecognizeRequest]) -> None:
-            native = self.servicer.StreamingRecognize(requests, guard)
+        async def run(tag: int, stream: NativeStream) -> None:
             try:
-                async for response in native:
+                async for response in stream.responses():
                     await merged.put((tag, response))
-            except BaseException as err:  # (an abort: the call's status is set; it is raised below)
+            except StreamEnded as ended:
+                await merged.put((tag, ended))
+            except BaseException as err:
                 await merged.put((tag, err))
-                return
-            finally:
-                await native.aclose()
-            await merged.put((tag, None))
+                raise
 
-        tasks = [asyncio.ensure_future(feed())]
-        tasks += [asyncio.ensure_future(run(tag, requests)) for tag, requests in enumerate(channels, start=1)]
+        tasks = [asyncio.ensure_future(audio.feed_channels(audio_format, streams, guard))]
+        tasks += [asyncio.ensure_future(run(tag, stream)) for tag, stream in enumerate(streams, start=1)]
         try:
-            running = len(channels)
+            running = len(streams)
             while running:
                 tag, item = await merged.get()
-                if item is None:
+                if isinstance(item, StreamEnded):
+                    await guard.end(item)  # (raises unless OK)
                     running -= 1
                 elif isinstance(item, BaseException):
                     raise item
@@ -454,3 +458,9 @@ class StreamAdapter:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _copy(config: pb.StreamingConfig) -> pb.StreamingConfig:
+    copied = pb.StreamingConfig()
+    copied.CopyFrom(config)
+    return copied

@@ -26,7 +26,7 @@ from cosystream.audio.files import AudioFile, AudioTooLong, UndecodableAudio, op
 from cosystream.audio.wav import is_wav, parse_wav_header
 from cosystream.server.auth import Token
 from cosystream.server.compat.bridge import AudioFormat, CompatError, Downmixer, check_declared, resolve_format
-from cosystream.server.http.native import NativeStream, StreamEnded
+from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 

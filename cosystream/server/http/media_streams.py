@@ -56,7 +56,7 @@ from aiohttp import WSMsgType, web
 
 from cosystream.engine.scheduler import Priority
 from cosystream.server.auth import Token
-from cosystream.server.http.native import NativeStream, StreamEnded
+from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1.webhook import WebhookPoster

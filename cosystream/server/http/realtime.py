@@ -41,8 +41,8 @@ from cosystream.engine.scheduler import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.common import native_model, prompt_phrases, seconds
-from cosystream.server.http.native import NativeStream, StreamEnded
 from cosystream.server.http.realtime_settings import EventError, Settings, apply_update, describe
+from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 

@@ -24,7 +24,7 @@ from cosystream.engine.scheduler import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http.common import check_language, native_model, prompt_phrases, seconds
 from cosystream.server.http.errors import ApiError, from_status
-from cosystream.server.http.native import NativeStream, StreamEnded
+from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
 
