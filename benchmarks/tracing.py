@@ -22,9 +22,9 @@ from benchmarks._harness import dump
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.greedy import CtcDecoder
-from cosystream.engine.scheduler import Priority
 from cosystream.frontend.session import Session, SessionConfig
 from cosystream.frontend.tracing import TracingConfig, start_tracing
+from cosystream.priority import Priority
 from cosystream.v1.client import read_wav
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig, AdaptivePolicy
 from cosystream.engine.core import EngineConfig, EngineCore
-from cosystream.engine.scheduler import Priority
 from cosystream.models import FRAME_SAMPLES
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
+from cosystream.priority import Priority
 from tests.servers import Served
 from tests.speech import encode, needs_espeak, silence, speech
 

@@ -174,9 +174,9 @@ def test_a_session_refused_by_a_full_engine_opens_on_another_with_its_first_fram
 
     from cosystream.engine.core import EngineConfig
     from cosystream.engine.process import EngineProcessConfig, start_engine
-    from cosystream.engine.scheduler import Priority
     from cosystream.frontend.engine_pool import ID_STRIDE, EnginePool
     from cosystream.models import FRAME_SAMPLES
+    from cosystream.priority import Priority
 
     base = EngineProcessConfig(address="", authkey=b"k" * 16, engine=EngineConfig(max_sessions=1), device="cpu")
     configs = [dataclasses.replace(base, address=str(tmp_path / f"e{i}.sock"), index=i) for i in range(2)]
@@ -254,9 +254,9 @@ def test_a_frontend_gone_before_its_hello_leaves_the_engine_serving(tmp_path):
     from multiprocessing.connection import Client
 
     from cosystream.engine.process import EngineProcessConfig, start_engine
-    from cosystream.engine.scheduler import Priority
     from cosystream.frontend.engine_client import EngineClient
     from cosystream.models import FRAME_SAMPLES
+    from cosystream.priority import Priority
 
     config = EngineProcessConfig(address=str(tmp_path / "e.sock"), authkey=b"k" * 16, device="cpu")
     handle = start_engine(config)

@@ -16,7 +16,7 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, Headroom
-from cosystream.engine.scheduler import Priority
+from cosystream.priority import Priority
 from cosystream.server.retry import retry_after_s
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc

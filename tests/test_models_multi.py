@@ -21,10 +21,11 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineConfig, EngineCore
-from cosystream.engine.scheduler import Priority, Scheduler, SchedulerConfig
+from cosystream.engine.scheduler import Scheduler, SchedulerConfig
 from cosystream.models import FRAME_SAMPLES, content_version, load_model, save_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
 from cosystream.models.loading import DEFAULT_MODEL_DIR, model_name
+from cosystream.priority import Priority
 from cosystream.server.http.common import native_model
 from cosystream.server.http.errors import ApiError
 from cosystream.v1 import cosystream_pb2 as pb

@@ -17,9 +17,9 @@ import pytest
 from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.greedy import CtcDecoder
-from cosystream.engine.scheduler import Priority
 from cosystream.frontend.host import StreamOptions
 from cosystream.frontend.session import REALTIME_BURST_S, AudioPacer, Session, SessionConfig
+from cosystream.priority import Priority
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1.client import encode_mulaw
 from tests.conftest import speech_like

@@ -12,10 +12,10 @@ from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.endpointing import EndpointingConfig
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.headroom import THIN_INTERIM_MS
-from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_SAMPLES
 from cosystream.frontend.results import EventType, Response, Result
 from cosystream.frontend.session import END_CONTEXT_FRAMES, Session, SessionConfig
+from cosystream.priority import Priority
 from tests.conftest import speech_like
 
 VOCABULARY = ["_", " ", "a", "b"]

@@ -15,9 +15,9 @@ import torch
 
 from cosystream.engine.ipc import LOAD_FAILED, EngineInfo, ModelInfo
 from cosystream.engine.process import model_info, server_info
-from cosystream.engine.scheduler import Priority
 from cosystream.frontend.engine_client import ModelLoadError, SessionSink
 from cosystream.models import ModelSource, load_model
+from cosystream.priority import Priority
 from cosystream.runtime.runner import GraphMode
 
 

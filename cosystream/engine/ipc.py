@@ -104,7 +104,7 @@ class Open(Op):
     """Give session ``key`` a slot; answered ``Opened`` or ``Rejected`` (and maybe ``Shed`` later)."""
 
     key: int
-    priority: int  # scheduler.Priority's value
+    priority: int  # cosystream.priority.Priority's value
     model: int = 0  # a ModelInfo.id of EngineInfo.models (0: the default)
 
 

@@ -55,19 +55,12 @@ from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 from itertools import islice, pairwise
 
+from cosystream.priority import Priority
 from cosystream.runtime.buckets import FRAME_BUCKETS, batch_buckets
 
 logger = logging.getLogger(__name__)
-
-
-class Priority(IntEnum):
-    """A session's service class. Lower values are served first; the values match the wire enum."""
-
-    REALTIME = 1
-    BATCH = 2
 
 
 MAX_SESSIONS = 256

@@ -26,7 +26,7 @@ import numpy as np
 
 from cosystream.engine import ipc
 from cosystream.engine.headroom import LoadReport
-from cosystream.engine.scheduler import Priority
+from cosystream.priority import Priority
 
 log = logging.getLogger(__name__)
 

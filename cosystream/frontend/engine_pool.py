@@ -25,8 +25,8 @@ import numpy as np
 
 from cosystream.engine import ipc
 from cosystream.engine.headroom import LoadReport
-from cosystream.engine.scheduler import Priority
 from cosystream.frontend.engine_client import EngineClient, LoadResult, ModelLoadError, SessionSink
+from cosystream.priority import Priority
 
 log = logging.getLogger(__name__)
 

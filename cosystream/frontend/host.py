@@ -22,7 +22,6 @@ from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS
 from cosystream.engine.ipc import EngineInfo, ModelInfo
-from cosystream.engine.scheduler import Priority
 from cosystream.frontend.engine_client import Engine
 from cosystream.frontend.live import RESUME_REPLAY, TAKEN, LiveSession, StreamState
 from cosystream.frontend.loop_lag import ADMIT_LAG_S, LoopLag
@@ -34,6 +33,7 @@ from cosystream.frontend.snapshot import Snapshot, SnapshotError
 from cosystream.frontend.status import Ended, Refused, Status, draining
 from cosystream.frontend.tracing import TracingConfig, UtteranceTracer
 from cosystream.metrics import FrontendMetrics
+from cosystream.priority import Priority
 from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from cosystream.audio.codecs import AudioEncoding
 from cosystream.audio.streams import AudioFormatError
 from cosystream.decoding.phrases import PhraseError
 from cosystream.engine.ipc import EngineInfo, ModelInfo
-from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.frontend.final_pass import MAX_AUDIO_S, FinalPass
 from cosystream.frontend.quota import Claim, QuotaExceeded, Token
@@ -36,6 +35,7 @@ from cosystream.frontend.session import AudioPacer, Session, SessionConfig
 from cosystream.frontend.snapshot import Snapshot
 from cosystream.frontend.status import Ended, Refused, Status
 from cosystream.frontend.usage import Lease, UsageExceeded
+from cosystream.priority import Priority
 
 log = logging.getLogger(__name__)
 

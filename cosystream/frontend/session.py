@@ -34,11 +34,11 @@ from cosystream.audio.vad import Vad
 from cosystream.decoding.beam import BeamCtcDecoder
 from cosystream.decoding.greedy import CtcDecoder
 from cosystream.engine.headroom import THIN_INTERIM_MS
-from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, FRAME_SAMPLES
 from cosystream.frontend.final_pass import STREAMING, FinalPass, Held
 from cosystream.frontend.results import Alternative, EventType, Latency, Response, Result, SpeechEvent, Word
 from cosystream.frontend.tracing import UtteranceTrace, UtteranceTracer
+from cosystream.priority import Priority
 
 log = logging.getLogger(__name__)
 

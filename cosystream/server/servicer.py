@@ -33,7 +33,6 @@ from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.decoding.phrases import normalize as normalize_phrases
 from cosystream.engine.headroom import Degradation, LoadReport
 from cosystream.engine.ipc import EngineInfo, ModelInfo
-from cosystream.engine.scheduler import Priority
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.frontend.engine_pool import EnginePool
 from cosystream.frontend.final_pass import SECOND_PASS, STREAMING
@@ -42,6 +41,7 @@ from cosystream.frontend.live import DONE, RESUMABLE, TAKEN, Handoff, LiveSessio
 from cosystream.frontend.results import Response
 from cosystream.frontend.session import SessionConfig
 from cosystream.frontend.status import Ended, Refused, Status, draining
+from cosystream.priority import Priority
 from cosystream.server.auth import current_token
 from cosystream.server.forward import Peers, forward, token_frontend
 from cosystream.server.messages import STATUS_CODES, response_message

@@ -54,7 +54,7 @@ import grpc
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from cosystream.engine.scheduler import Priority
+from cosystream.priority import Priority
 from cosystream.server.auth import Token
 from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer

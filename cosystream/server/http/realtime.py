@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 from aiohttp import WSMsgType, web
 
-from cosystream.engine.scheduler import Priority
+from cosystream.priority import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.common import native_model, prompt_phrases, seconds

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import BodyPartReader, web
 
 from cosystream.audio.files import AudioFile, AudioInfo, AudioTooLong, UndecodableAudio, open_audio
-from cosystream.engine.scheduler import Priority
+from cosystream.priority import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http.common import check_language, native_model, prompt_phrases, seconds
 from cosystream.server.http.errors import ApiError, from_status
