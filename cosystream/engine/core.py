@@ -12,7 +12,7 @@ to that model's runner.
 Models can be loaded while serving (``prepare`` in any thread, then ``install`` in the loop's): a model's
 index never changes and is never reused, so a name has a current index (``served``) and, after a new version
 of it was installed, older ones that live sessions still run. A session moves to its name's current version
-at its next RESET (the caches are zeroed there anyway); an index no slot holds any longer, and that is not
+at its next ``Reset`` (the caches are zeroed there anyway); an index no slot holds any longer, and that is not
 served, is freed (its slab and runner dropped).
 
 With ``--adaptive HEAVY=LIGHT`` (``engine/adaptive.py``) a session is kept under the name it asked for, and
@@ -232,7 +232,7 @@ class EngineCore:
         for heavy in self._fallbacks if metrics is not None else ():
             metrics.set_fallback(heavy, False)  # (the series exists from start-up)
         self.headroom = Headroom(config.admit_load, config.overload_window_s, clock)
-        self.report: LoadReport | None = None  # the last window's, for the frontends (ACTIVE)
+        self.report: LoadReport | None = None  # the last window's, for the frontends (``Active``)
         self._window = _RealtimeWindow()  # this load window's, for headroom's projection
         self._batch_s = 0.0  # BATCH step time since the last observe_load (not realtime load)
         self._projection_s = 0.0  # what realtime LIGHT rows would have cost more on HEAVY, likewise
@@ -404,7 +404,7 @@ class EngineCore:
 
     def move_idle(self, model: int | None = None) -> int:
         """Move the sessions of ``model`` (None: of any model) that are between utterances (reset, and no
-        frame since) to the version they run next now, not at their next RESET; how many moved. O(slots)."""
+        frame since) to the version they run next now, not at their next ``Reset``; how many moved. O(slots)."""
         moved = 0
         for slot, fresh in enumerate(self._fresh):
             owner = self._owner[slot]

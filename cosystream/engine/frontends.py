@@ -32,7 +32,7 @@ class FrontendConnections:
         threading.Thread(target=_accept, args=(listener, self._incoming, stop), daemon=True, name="accept").start()
 
     def accept(self, info: ipc.EngineInfo) -> bool:
-        """Send every frontend connected since the last call its HELLO; True if there was one."""
+        """Send every frontend connected since the last call its ``Hello``; True if there was one."""
         accepted = False
         while not self._incoming.empty():
             conn = self._incoming.get()

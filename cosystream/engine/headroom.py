@@ -72,7 +72,7 @@ StepCost = Callable[[int, int], float]
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """What the engine tells its frontends of its load, once per load window when it changed (``ACTIVE``)."""
+    """What the engine tells its frontends of its load, once per load window when it changed (``Active``)."""
 
     load: float  # projected realtime load, the last window's
     realtime: int  # sessions holding a slot, per priority, all frontends

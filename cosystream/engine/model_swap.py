@@ -1,10 +1,11 @@
 """Models loaded while the engine serves: a new version beside the old, or a new model.
 
-A load goes: a frontend's LOAD -> :class:`ModelLoader` loads it, builds its slab and runner (its CUDA graphs
-captured) and warms it in a thread of its own, on a CUDA stream of its own, while the loop goes on stepping
--> PREPARE to every frontend (each makes ready to decode it) -> their PREPARED -> the loop installs it between
-two steps (``EngineCore.install``, O(1)) -> MODELS to every frontend, before anything names the new model ->
-LOADED to the frontend that asked. Sessions move to it at their utterance boundaries (``EngineCore``).
+A load goes: a frontend's ``Load`` -> :class:`ModelLoader` loads it, builds its slab and runner (its CUDA
+graphs captured) and warms it in a thread of its own, on a CUDA stream of its own, while the loop goes on
+stepping -> ``Prepare`` to every frontend (each makes ready to decode it) -> their ``Prepared`` -> the loop
+installs it between two steps (``EngineCore.install``, O(1)) -> ``Models`` to every frontend, before anything
+names the new model -> ``Loaded`` to the frontend that asked. Sessions move to it at their utterance
+boundaries (``EngineCore``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ModelLoader:
         self.refusals: list[str] = []
 
     def forget(self, frontend: int) -> None:
-        """A frontend went away: it answers no PREPARE."""
+        """A frontend went away: it answers no ``Prepare``."""
         self.waiting.discard(frontend)
 
     def start(self, frontend: int, request: int, name: str, path: str, precision: str = "") -> str | None:
@@ -109,9 +110,9 @@ class ModelLoader:
 
 
 def admin(core: EngineCore, loader: ModelLoader, info: ipc.EngineInfo, infos: list, frontends) -> ipc.EngineInfo:
-    """LOAD, UNLOAD and PREPARED ops, and loads the loader finished: a load goes LOAD -> (the loader's
-    thread) -> PREPARE to every frontend -> their PREPARED -> installed between two steps -> MODELS -> LOADED.
-    Returns the info a new frontend's HELLO gets."""
+    """``Load``, ``Unload`` and ``Prepared`` ops, and loads the loader finished: a load goes ``Load`` -> (the
+    loader's thread) -> ``Prepare`` to every frontend -> their ``Prepared`` -> installed between two steps ->
+    ``Models`` -> ``Loaded``. Returns the info a new frontend's ``Hello`` gets."""
     for frontend, op in core.admin_ops:
         match op:
             case ipc.Load():
@@ -184,7 +185,7 @@ def _unload(core: EngineCore, name: str) -> str:
 
 
 def announce_models(core: EngineCore, info: ipc.EngineInfo, infos: list, frontends) -> ipc.EngineInfo:
-    """Free the infos of freed models, and tell every frontend what is served now: the new HELLO info."""
+    """Free the infos of freed models, and tell every frontend what is served now: the new ``Hello`` info."""
     for index, model in enumerate(core.models):
         if model is None:
             infos[index] = None

@@ -4,7 +4,7 @@ Frontends connect over a Unix socket (``multiprocessing.connection``). The loop:
 (without waiting while there is work), run one scheduled step, send each frontend one message with its
 results. Realtime frames that arrive during a batch step are picked up before the next step.
 
-A model loaded while serving (a frontend's LOAD, from the Admin service) is loaded and warmed beside the
+A model loaded while serving (a frontend's ``Load``, from the Admin service) is loaded and warmed beside the
 others while the loop goes on stepping, then installed between two steps (``model_swap.py``).
 """
 
@@ -338,7 +338,7 @@ def server_info(
     top_k: int,
     models: Sequence[ipc.ModelInfo] | None = None,
 ) -> ipc.EngineInfo:
-    """The engine's HELLO on this device: for ``models`` (the first the default), or for ``model`` alone."""
+    """The engine's ``Hello`` on this device: for ``models`` (the first the default), or for ``model`` alone."""
     return ipc.EngineInfo(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         models=tuple(models) if models else (model_info(model),),
@@ -377,7 +377,7 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
 
 
 class _Models:
-    """The models as the frontends are told of them (the HELLO info, each model index's info) and the loads
+    """The models as the frontends are told of them (the ``Hello`` info, each model index's info) and the loads
     and unloads the frontends ask for (``model_swap``)."""
 
     def __init__(self, config: EngineProcessConfig, core: EngineCore):
@@ -428,7 +428,7 @@ class _Models:
 
 
 class _Reports:
-    """What the engine says of itself: ACTIVE to every frontend when the counts change, the metrics' session
+    """What the engine says of itself: ``Active`` to every frontend when the counts change, the metrics' session
     gauges every METRICS_PERIOD_S, a log line of the scheduler's work every STATS_LOG_PERIOD_S."""
 
     def __init__(self, core: EngineCore):

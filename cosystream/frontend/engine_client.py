@@ -55,7 +55,7 @@ class Engine(Protocol):
     """What a frontend needs of an engine: :class:`EngineClient` (the engine process over its socket) and
     ``naive.NaiveEngine`` (the benchmarks' baseline, in the frontend's own process) both implement it."""
 
-    info: ipc.EngineInfo | None  # the engine's HELLO, once connected
+    info: ipc.EngineInfo | None  # the engine's ``Hello``, once connected
     connected: bool
     on_change: Callable[[], None] | None
 
@@ -133,12 +133,12 @@ class EngineClient:
     def __init__(self, address: str, authkey: bytes):
         self.address = address
         self.authkey = authkey
-        self.info: ipc.EngineInfo | None = None  # from the engine's HELLO
+        self.info: ipc.EngineInfo | None = None  # from the engine's ``Hello``
         self.on_change: Callable[[], None] | None = None
         # Make ready to decode a model the engine loaded (before it serves): "" or why it cannot be decoded.
         self.on_prepare: Callable[[ipc.ModelInfo], Awaitable[str]] | None = None
-        self.on_models: Callable[[ipc.EngineInfo], None] | None = None  # ``info`` changed (MODELS, a new HELLO)
-        self._requests: dict[int, asyncio.Future] = {}  # LOAD / UNLOAD awaiting the engine's answer
+        self.on_models: Callable[[ipc.EngineInfo], None] | None = None  # info changed (Models, a new Hello)
+        self._requests: dict[int, asyncio.Future] = {}  # ``Load`` / ``Unload`` awaiting the engine's answer
         self._next_request = 0
         self._tasks: set[asyncio.Task] = set()
         self._conn: Connection | None = None
@@ -146,7 +146,7 @@ class EngineClient:
         self._sinks: dict[int, SessionSink] = {}
         self._engine_sessions = 0
         self._listening_frontends = 0
-        self.load: LoadReport | None = None  # the engine's, as of its last ACTIVE
+        self.load: LoadReport | None = None  # the engine's, as of its last ``Active``
         self._listening = False  # this frontend's port is open (re-announced on every connection)
         self._next_key = 0
         self._pending = ipc.ToEngine()
@@ -158,7 +158,7 @@ class EngineClient:
         self.connected = False
 
     async def connect(self) -> ipc.EngineInfo:
-        """Connect and wait for the engine's HELLO; returns its info. Retries while the socket is missing or
+        """Connect and wait for the engine's ``Hello``; returns its info. Retries while the socket is missing or
         refuses (the engine is still starting; the supervisor decides how long that may take); cancellable
         at any point, and nothing is left running."""
         self._loop = asyncio.get_running_loop()

@@ -55,7 +55,7 @@ class _Routed:
         self.pool, self.engine, self.sink = pool, engine, sink
         self.key, self.priority, self.name = key, priority, name
         self.tried = {engine}
-        # Frames sent before the engine said OPENED (a refusing engine drops them): sent again on a retry.
+        # Frames sent before the engine said ``Opened`` (a refusing engine drops them): sent again on a retry.
         self.early: list[np.ndarray] | None = []
 
     def on_opened(self, model: int) -> None:
@@ -147,7 +147,7 @@ class EnginePool:
         ]
 
     async def connect(self) -> ipc.EngineInfo:
-        """Connect to every engine (each waits for its HELLO; a restarted one is reconnected to by its
+        """Connect to every engine (each waits for its ``Hello``; a restarted one is reconnected to by its
         client)."""
         await asyncio.gather(*(client.connect() for client in self.clients))
         return self.info

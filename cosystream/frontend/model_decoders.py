@@ -1,7 +1,7 @@
 """What makes each served model's decoders, in one frontend, kept in step with the engine's models.
 
 At start-up every served model gets its decoder setup (the app's decoder config for it). A model the engine
-loads while serving is made ready here before it serves (``prepare``, answering the engine's PREPARE: its
+loads while serving is made ready here before it serves (``prepare``, answering the engine's ``Prepare``: its
 language model is read in a low-priority thread while the streams go on); when the engine's models change
 (``models_changed``) those no longer served are dropped. Models alike (same decoder config, vocabulary, and
 language model and lexicon of the same contents) share one setup.
@@ -158,7 +158,7 @@ class ModelDecoders:
         return error
 
     def models_changed(self, info: EngineInfo) -> None:
-        """The engine serves ``info.models`` now (a MODELS event, or a restarted engine's HELLO): a setup for
+        """The engine serves ``info.models`` now (a ``Models`` event, or a restarted engine's ``Hello``): a setup for
         each (made ready by ``prepare``, unless the engine restarted), none for those gone."""
         by_id = {}
         for model in info.models:
