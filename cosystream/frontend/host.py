@@ -230,6 +230,11 @@ class SessionHost:
             self._resumable[stream.resume_token] = stream
         self.engine.open(stream.key, config.priority, stream, stream.model_id)
 
+    def count_refusal(self, refused: Refused, token: Token | None) -> None:
+        """Count a stream refused for ``token`` (None: authentication is off) by its reason (none: not counted)."""
+        if refused.reason:
+            self.metrics.rejected(refused.reason, None if token is None else token.name)
+
     def close(self, stream: LiveSession) -> None:
         """The stream is over (every exit path but a park): its slot, quota and timers given back."""
         stream.release()
@@ -261,9 +266,8 @@ class SessionHost:
     def _expire(self, stream: LiveSession, why: str = "no resume within the window") -> None:
         if stream.detached.is_set() and stream.state < StreamState.RELEASED:
             self.metrics.expired()
-            stream.release()
-            self._streams.discard(stream)
-            log.info("session %s closed: %s", stream.session_id, why, extra={"session_id": stream.session_id})
+            stream.outcome = why
+            self.close(stream)
 
     def open_snapshot(self, blob: bytes, token: Token | None) -> Snapshot:
         """The snapshot a resume from another server brings, checked for ``token``; raises

@@ -124,8 +124,7 @@ class NativeStream:
             config = await host.admit(session_config(host, self._config), self._token)
             return LiveSession(host, config, self._token)
         except Refused as refused:
-            if refused.reason:
-                host.metrics.rejected(refused.reason, None if self._token is None else self._token.name)
+            host.count_refusal(refused, self._token)
             raise StreamEnded.of(refused.ended) from None
 
     async def _read(self, stream: LiveSession) -> None:
@@ -172,7 +171,7 @@ class NativeStream:
                     yield response_message(item)
         except Refused as refused:  # by the token's quotas
             stream.outcome = refused.status.name
-            host.metrics.rejected(refused.reason, stream.token.name)
+            host.count_refusal(refused, stream.token)
             raise StreamEnded.of(refused.ended) from None
         except (asyncio.CancelledError, GeneratorExit):
             stream.outcome = "cancelled"

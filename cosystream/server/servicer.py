@@ -344,9 +344,7 @@ class CosyStreamServicer(SessionHost, pb_grpc.CosyStreamServicer):
         try:
             accepted = await self._accept(requests)
         except Refused as refused:
-            if refused.reason:
-                token = current_token()
-                self.metrics.rejected(refused.reason, None if token is None else token.name)
+            self.count_refusal(refused, current_token())
             yield _last_response("", refused.ended)
             await _abort(context, refused.ended)
         if isinstance(accepted, _Forward):
@@ -391,7 +389,7 @@ class CosyStreamServicer(SessionHost, pb_grpc.CosyStreamServicer):
                 yield self._message(stream, item)
         except Refused as refused:  # by the token's quotas
             stream.outcome = refused.status.name
-            self.metrics.rejected(refused.reason, stream.token.name)
+            self.count_refusal(refused, stream.token)
             yield _last_response(stream.session_id, refused.ended)
             await _abort(context, refused.ended)
         except (asyncio.CancelledError, GeneratorExit):

@@ -425,7 +425,7 @@ class StreamAdapter:
         config = translation.native_config
         config.encoding = int(audio_format.encoding)
         config.sample_rate_hz = audio_format.sample_rate_hz
-        streams = [NativeStream(self.servicer, _copy(config), token) for _ in range(audio_format.channels)]
+        streams = [NativeStream(self.servicer, copy_config(config), token) for _ in range(audio_format.channels)]
         merged: asyncio.Queue = asyncio.Queue()
 
         async def run(tag: int, stream: NativeStream) -> None:
@@ -460,7 +460,8 @@ class StreamAdapter:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _copy(config: pb.StreamingConfig) -> pb.StreamingConfig:
+def copy_config(config: pb.StreamingConfig) -> pb.StreamingConfig:
+    """A copy of ``config`` (one per channel's session: each sets its own audio fields)."""
     copied = pb.StreamingConfig()
     copied.CopyFrom(config)
     return copied

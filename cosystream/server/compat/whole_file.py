@@ -25,7 +25,14 @@ from cosystream.audio.codecs import ALAW_TO_INT16, MULAW_TO_INT16, AudioEncoding
 from cosystream.audio.files import AudioFile, AudioTooLong, UndecodableAudio, open_audio
 from cosystream.audio.wav import is_wav, parse_wav_header
 from cosystream.server.auth import Token
-from cosystream.server.compat.bridge import AudioFormat, CompatError, Downmixer, check_declared, resolve_format
+from cosystream.server.compat.bridge import (
+    AudioFormat,
+    CompatError,
+    Downmixer,
+    check_declared,
+    copy_config,
+    resolve_format,
+)
 from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
@@ -213,7 +220,7 @@ async def recognize_channels(
     loop = asyncio.get_running_loop()
     accepted = [asyncio.Event() for _ in range(audio.channels)]
     runs = [
-        loop.create_task(recognize(servicer, audio, _copy(config), token, accepted[c], on_final, c))
+        loop.create_task(recognize(servicer, audio, copy_config(config), token, accepted[c], on_final, c))
         for c in range(audio.channels)
     ]
     watcher = None
@@ -234,12 +241,6 @@ async def recognize_channels(
         await asyncio.gather(*runs, return_exceptions=True)
     tagged = [(tag, final) for tag, finals in enumerate(results, 1) for final in finals]
     return sorted(tagged, key=lambda pair: (pair[1].end_ms, pair[0]))
-
-
-def _copy(config: pb.StreamingConfig) -> pb.StreamingConfig:
-    copied = pb.StreamingConfig()
-    copied.CopyFrom(config)
-    return copied
 
 
 async def _when_accepted(stream: NativeStream, admitted: asyncio.Event) -> None:
