@@ -18,6 +18,7 @@ Each kustomization is rendered with ``kubectl kustomize``: with every kubectl th
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import functools
 import inspect
@@ -362,6 +363,9 @@ def test_the_server_pods_run_serve_as_their_probes_ports_and_grace_expect(overla
     # The tokens file: in a Secret volume mounted whole (a subPath mount never sees the Secret change).
     tokens = mount_of(args.auth_tokens)
     assert "secret" in volumes[tokens["name"]] and "subPath" not in tokens
+    # The resume key: the same Secret in every pod, so a drain's snapshots are resumed by another one.
+    key = mount_of(args.resume_key_file)
+    assert volumes[key["name"]]["secret"]["secretName"] == "cosystream-resume-key" and key.get("readOnly")
 
     # Whole cores for the engine and each frontend; requests = limits (Guaranteed QoS).
     resources = server["resources"]
@@ -689,10 +693,22 @@ def served_as_in_the_pod(tmp_path_factory):
     frontends and the tokens path are this machine's."""
     secret = tmp_path_factory.mktemp("tokens")
     write_secret_volume(secret, {"tokens": f"operator {TOKEN_BEFORE}\n"}, generation=1)
-    local = ("--host", "--port", "--metrics-port", "--http-port", "--frontends", "--auth-tokens")
+    resume = tmp_path_factory.mktemp("resume")
+    write_secret_volume(resume, {"key": base64.b64encode(os.urandom(32)).decode() + "\n"}, generation=1)
+    local = (
+        "--host",
+        "--port",
+        "--metrics-port",
+        "--http-port",
+        "--frontends",
+        "--auth-tokens",
+        "--resume-key-file",
+    )
     args = container(one(rendered("overlays/cpu"), "Deployment", "cosystream"), "cosystream")["args"]
     kept = [arg for arg in args if arg.split("=", 1)[0] not in local]
-    with Served(*kept, "--frontends", "1", "--auth-tokens", str(secret / "tokens")) as server:
+    assert any(arg.startswith("--resume-key-file=") for arg in args), args
+    paths = ("--auth-tokens", str(secret / "tokens"), "--resume-key-file", str(resume / "key"))
+    with Served(*kept, "--frontends", "1", *paths) as server:
         serving = health_pb2.HealthCheckResponse.SERVING
         server.wait(lambda: server.health() == serving, 60, "SERVING")
         yield server, secret
