@@ -91,7 +91,7 @@ def measure(
                 "server_cpu_ms_per_audio_s": 1e3 * cpu_s / rt["audio_seconds"]
                 if rt["audio_seconds"]
                 else math.nan,
-                # Per process (cs-engine, cs-supervisor: frontend 0, cs-frontend-N, the probe's own), ms of
+                # Per process (cs-engine, cs-supervisor, cs-frontend-N from 0, the probe's own), ms of
                 # CPU per second of audio streamed.
                 "cpu_ms_per_audio_s": {
                     name: round(1e3 * seconds / rt["audio_seconds"], 3) if rt["audio_seconds"] else math.nan

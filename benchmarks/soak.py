@@ -4,7 +4,7 @@ grow?
 Each of ``--streams`` workers opens a REALTIME stream, sends speech paced at real time for 2-20 s, then ends
 it at random: a half-close (waiting for the last final), a cancel, or a dropped connection (its channel
 closed mid-stream); then opens the next. Every ``--sample-s`` the server's processes are sampled by name
-(``cs-supervisor`` = frontend 0, ``cs-engine``, ``cs-frontend-N``): resident memory and open file
+(``cs-supervisor``, ``cs-engine``, ``cs-frontend-N``): resident memory and open file
 descriptors. At the end: the engine's slots in use (must be 0) and how every stream ended. Prints JSON and a
 table.
 

@@ -57,8 +57,8 @@ _SUBPACKAGE_LAYERS |= {"models": "models", "audio": "audio", "decoding": "decodi
 _SUBPACKAGE_LAYERS |= {"secondpass": "secondpass", "frontend": "frontend"}
 TREES = ("cosystream", "training", "benchmarks", "clients")
 # What a frontend process imports, and the packages it must never load: its entry point, and every module of
-# the layers it runs (the engine's IPC messages and process settings are its only modules of the engine).
-FRONTEND_MODULES = ("cosystream.app.frontend_process", "cosystream.engine.ipc", "cosystream.engine.prctl")
+# the layers it runs (the engine's IPC messages are its only module of the engine).
+FRONTEND_MODULES = ("cosystream.app.frontend_process", "cosystream.engine.ipc", "cosystream.prctl")
 BELOW_THE_SERVER = ("cosystream.frontend", "cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
 FRONTEND_PACKAGES = ("cosystream.server", *BELOW_THE_SERVER)
 NEVER_IN_A_FRONTEND = ("torch",)

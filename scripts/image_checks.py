@@ -120,7 +120,7 @@ class Checker:
         return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
 
     def supervisor_pid(self) -> int:
-        """The server's ``cs-supervisor`` process (frontend 0), the one SIGTERM goes to: ``buildah run`` does not
+        """The server's ``cs-supervisor`` process, the one SIGTERM goes to: ``buildah run`` does not
         forward signals (it kills its container)."""
         pids = [pid for pid, comm, _ in process_tree(self.server.pid) if comm == "cs-supervisor"]
         if len(pids) != 1:

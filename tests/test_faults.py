@@ -159,8 +159,10 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "cosystream" / "mod
         (["--model", "/nonexistent"], "--model /nonexistent: no such directory"),
         (["--model", "{broken}"], "the engine could not start: "),
         (["--device", "cuda:7"], "cuda:7"),
+        # Found only when frontend 0's second-pass worker loads it: frontend 0 says why, serve exits.
+        (["--final-model", "{broken_final}"], "frontend 0: second pass: "),
     ],
-    ids=["no-model", "engine-fails", "no-such-device"],
+    ids=["no-model", "engine-fails", "no-such-device", "final-model-fails"],
 )
 def test_serve_that_cannot_start_says_why_in_one_line_and_exits(tmp_path, args, message):
     broken = tmp_path / "broken"  # every file a model needs, its weights unreadable: found only by the engine
@@ -168,7 +170,11 @@ def test_serve_that_cannot_start_says_why_in_one_line_and_exits(tmp_path, args, 
     for name in ("config.json", "vocabulary.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, broken / name)
     (broken / "model.safetensors").write_bytes(b"not safetensors")
-    args = [a.replace("{broken}", str(broken)) for a in args]
+    broken_final = tmp_path / "broken-final"  # a CTranslate2 Whisper directory's files, none of them readable
+    broken_final.mkdir()
+    for name in ("model.bin", "config.json", "tokenizer.json"):
+        (broken_final / name).write_bytes(b"not a model")
+    args = [a.replace("{broken}", str(broken)).replace("{broken_final}", str(broken_final)) for a in args]
     started = time.monotonic()
     run = subprocess.run(
         serve_argv(*args),
@@ -292,6 +298,29 @@ def test_a_burst_of_sigterms_stops_the_engine(tmp_path):
         if handle.process.is_alive():
             handle.process.kill()
             handle.process.join(5)
+
+
+def test_every_frontend_is_a_process_of_its_own_without_torch():
+    """Frontend 0 too: the supervisor only watches. No frontend maps torch's library, and frontend 0, killed,
+    is respawned on the same port like any other."""
+    with Served("--frontends", "2") as served:
+        served.wait(lambda: served.health() == SERVING, 60, "SERVING")
+        pids = served.pids()
+        assert {"cs-supervisor", "cs-engine", "cs-frontend-0", "cs-frontend-1"} <= set(pids), pids
+        assert pids["cs-supervisor"] == served.process.pid
+        for name in ("cs-frontend-0", "cs-frontend-1"):
+            maps = Path(f"/proc/{pids[name]}/maps").read_text()
+            assert "libtorch" not in maps, f"{name} loaded torch"
+        assert "libtorch" in Path(f"/proc/{pids['cs-engine']}/maps").read_text()  # (the check can fail)
+        os.kill(pids["cs-frontend-0"], signal.SIGKILL)
+        served.wait(
+            lambda: served.pids().get("cs-frontend-0") not in (None, pids["cs-frontend-0"]), 30, "a new frontend 0"
+        )
+        served.wait(lambda: served.info().frontends == 2, 60, "2 live frontends again")
+        for _ in range(4):  # (SO_REUSEPORT: each lands on either frontend)
+            client = Client(served.stub(), session(talk(2.0), pace_s=0))
+            assert client.result() == grpc.StatusCode.OK, client.details
+            assert client.finals
 
 
 def test_a_dead_frontend_is_respawned_and_counted_live():

@@ -747,6 +747,24 @@ def test_a_drain_gives_second_pass_finals_then_unavailable():
         assert "second pass: embedded:whisper-tiny-en ready" in "".join(served.log)
 
 
+def test_the_worker_ends_with_its_frontend_however_it_ends():
+    """A frontend SIGKILLed (the OOM killer picks the biggest) takes its second-pass worker with it: no worker
+    is left orphaned holding the model's memory; the frontend respawned has a worker of its own."""
+    needs_whisper()
+    from tests.servers import Served
+    from tests.test_faults import SERVING, _running
+
+    with Served("--frontends", "1", "--final-model", EMBEDDED) as served:
+        served.wait(lambda: served.health() == SERVING, 90, "SERVING")
+        pids = served.wait(lambda: (p := served.pids()).get("cs-second-pass") and p, 30, "a named worker")
+        os.kill(pids["cs-frontend-0"], signal.SIGKILL)
+        served.wait(lambda: not _running(pids["cs-second-pass"]), 15, "the old worker gone")
+        served.wait(
+            lambda: served.pids().get("cs-second-pass") not in (None, pids["cs-second-pass"]), 90, "a new worker"
+        )
+        served.wait(lambda: served.health() == SERVING, 90, "SERVING again")
+
+
 @needs_espeak
 def test_a_job_that_hangs_the_worker_gets_it_killed_and_started_again():
     audio = int16(speech(SENTENCE))

@@ -1,7 +1,10 @@
 """``cosystream serve``: the engine process, N frontends on one port, metrics, restarts, and a graceful drain.
 
-Frontend 0 runs in this process; frontends 1..N-1 are spawned once it has bound the port (so ``--port 0``
-works) and share it through SO_REUSEPORT.
+Every frontend is a spawned process of its own (``frontend_process.py``), which never imports torch; this
+one only watches (it imports the engine's configuration). Frontend 0 is spawned beside the engine and says
+which ports it bound (so ``--port 0`` works), or why it could not serve (a tokens or TLS file that changed
+since the CLI read it, a second-pass model that cannot load: one line, exit 1); frontends 1..N-1 are then
+spawned on the same ports, shared through SO_REUSEPORT. ``--naive`` alone serves from this process.
 
 The supervisor owns the processes:
 - an engine that cannot start (bad model, no such device) ends ``serve`` at once with one line saying why
@@ -15,8 +18,8 @@ SIGTERM or SIGINT drains: health turns NOT_SERVING with the port still open, new
 open streams are served for ``--drain-grace-s``; those still open then get the final for the audio received
 and UNAVAILABLE; then everything stops and the exit status is 0.
 
-SIGHUP reloads the tokens file (``--auth-tokens``) in every frontend, without dropping a session: frontend 0
-here, the others by the SIGHUP forwarded to them. The children are spawned with SIGHUP blocked (the mask is
+SIGHUP reloads the tokens file (``--auth-tokens``) in every frontend, without dropping a session: the SIGHUP
+is forwarded to each of them. The children are spawned with SIGHUP blocked (the mask is
 inherited): a frontend unblocks it once its handler is in place, so a SIGHUP during its start-up waits
 instead of killing it, and the engine never unblocks it (a SIGHUP to the process group reloads, and stops
 nothing). With tokens, the frontends count each token's open sessions in one shared table
@@ -34,13 +37,14 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
 
 from cosystream.app.banner import startup_lines
 from cosystream.app.frontend_process import frontend_main
-from cosystream.engine.prctl import set_process_name
 from cosystream.engine.process import EngineHandle, EngineProcessConfig, EngineStartError, start_engine
 from cosystream.frontend.quota import TokenSessions
 from cosystream.metrics import process_exited, serve_metrics
+from cosystream.prctl import set_process_name
 from cosystream.server.auth import TokenFileError
 from cosystream.server.frontend import Frontend, FrontendConfig
 from cosystream.server.tls import TlsError
@@ -114,12 +118,12 @@ class Supervisor:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; 0 after a drain. Raises :class:`ServeError` when it cannot go on."""
-        set_process_name("cs-supervisor")  # it also runs frontend 0
+        set_process_name("cs-supervisor")
         try:
             if self.naive:
                 return asyncio.run(self._serve_naive())
             return asyncio.run(self._serve())
-        except (TokenFileError, TlsError) as err:  # changed since the CLI checked them
+        except (TokenFileError, TlsError) as err:  # changed since the CLI checked them (naive mode)
             raise ServeError(str(err)) from None
         finally:
             for child in self.children.values():
@@ -159,8 +163,9 @@ class Supervisor:
         await frontend.drain()
         return 0
 
-    def _stop_event(self, frontend: Frontend) -> asyncio.Event:
-        """Set by SIGTERM or SIGINT; SIGHUP reloads the tokens (see :meth:`_reload`)."""
+    def _stop_event(self, frontend: Frontend | None = None) -> asyncio.Event:
+        """Set by SIGTERM or SIGINT; SIGHUP reloads the tokens (see :meth:`_reload`) in the frontend processes,
+        and in ``frontend`` (the naive mode's, in this process)."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -168,12 +173,13 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGHUP, self._reload, frontend)
         return stop
 
-    def _reload(self, frontend: Frontend) -> None:
+    def _reload(self, frontend: Frontend | None) -> None:
         if not self.frontend_config.auth_tokens:
             log.info("SIGHUP: nothing to reload (no --auth-tokens)")
             return
-        log.info("SIGHUP: reloading the tokens in %d frontend(s)", 1 + len(self.children))
-        frontend.reload_tokens()
+        log.info("SIGHUP: reloading the tokens in %d frontend(s)", len(self.children) + (frontend is not None))
+        if frontend is not None:
+            frontend.reload_tokens()
         for child in self.children.values():
             if child.is_alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -207,21 +213,17 @@ class Supervisor:
         return True
 
     async def _serve(self) -> int:
-        frontend = Frontend(
-            self.frontend_config,
-            self._addresses if len(self.processes) > 1 else self.process.address,
-            self.process.authkey,
-            token_sessions=self._token_sessions(0),
-        )
-        stop = self._stop_event(frontend)
+        stop = self._stop_event()
         for index in range(len(self.processes)):
             self._start_engine(index)
-        start = asyncio.create_task(frontend.start())
+        ready, told = mp.get_context("spawn").Pipe(duplex=False)
+        self._spawn_frontend(0, told)  # (its imports overlap the engine's start)
+        told.close()
         try:
             if not await self._engine_ready(stop):
                 return 0
-            while not start.done():
-                await asyncio.wait({start}, timeout=WATCH_PERIOD_S)
+            while not ready.poll():
+                await asyncio.sleep(WATCH_PERIOD_S)
                 if stop.is_set():
                     return 0
                 for handle in self.engines:
@@ -229,17 +231,18 @@ class Supervisor:
                         raise ServeError(
                             f"the engine process exited during start-up (exit code {handle.process.exitcode})"
                         )
+            report = _read_report(ready, self.children[0])
         except EngineStartError as err:
             raise ServeError(f"the engine could not start: {err}") from None
         finally:
-            if not start.done():
-                start.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await start
-        port = start.result()
+            ready.close()
+        if isinstance(report, str):
+            self.children[0].join(10)  # (it stops its own children first: a second-pass worker)
+            raise ServeError(report)
+        port, http_port = report
         http = self.frontend_config.http
-        if http is not None:  # the others bind the port the first one got
-            http = replace(http, port=frontend.http_port)
+        if http is not None:  # the others (and frontend 0 respawned) bind the port the first one got
+            http = replace(http, port=http_port)
         self.frontend_config = replace(self.frontend_config, port=port, http=http)
         for index in range(1, self.frontends):
             self._spawn_frontend(index)
@@ -253,14 +256,13 @@ class Supervisor:
             for child in self.children.values():
                 if child.is_alive():
                     child.terminate()  # SIGTERM: the child drains
-            await frontend.drain()
             loop = asyncio.get_running_loop()
             for child in self.children.values():
                 await loop.run_in_executor(None, child.join, self.frontend_config.drain_grace_s + 10)
         log.info("stopped")
         return 0
 
-    def _spawn_frontend(self, index: int) -> None:
+    def _spawn_frontend(self, index: int, ready: Connection | None = None) -> None:
         child = mp.get_context("spawn").Process(
             target=frontend_main,
             args=(
@@ -271,6 +273,7 @@ class Supervisor:
                 self.process.log_format,
                 index,
                 self._token_sessions(index),
+                ready,
             ),
             name=f"cosystream-frontend-{index}",
         )
@@ -347,3 +350,12 @@ def _sighup_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _read_report(ready: Connection, child: mp.Process) -> tuple[int, int] | str:
+    """What frontend 0 said once it served (its gRPC and HTTP ports) or failed (why, one line)."""
+    try:
+        return ready.recv()
+    except EOFError:  # it died before saying anything
+        child.join(1)
+        return f"frontend 0 exited during start-up (exit code {child.exitcode})"

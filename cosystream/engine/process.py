@@ -29,7 +29,6 @@ from cosystream.engine.adaptive import AdaptiveConfig
 from cosystream.engine.core import EngineConfig, EngineCore
 from cosystream.engine.frontends import FrontendConnections
 from cosystream.engine.model_swap import ModelLoader, admin, announce_models
-from cosystream.engine.prctl import exit_with_parent, set_process_name
 from cosystream.logs import configure as configure_logs
 from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
 from cosystream.models.loading import (
@@ -39,6 +38,7 @@ from cosystream.models.loading import (
     model_sources,
     vocabulary_kind,
 )
+from cosystream.prctl import exit_with_parent, set_process_name
 from cosystream.runtime.runner import GraphMode, Runner
 from cosystream.runtime.slab import plan_slab, slot_bytes
 

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cosystream.prctl import exit_with_parent, set_process_name
 from cosystream.secondpass.whisper import SAMPLE_RATE_HZ, ModelError, SecondPassResult, resolve_model
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ class SecondPassConfig:
 # --- in the worker process ---------------------------------------------------------------------------
 
 _transcriber = None
+
+
+def _started() -> None:
+    """The worker's first act: named (``ps``, the benchmarks' CPU per process), and ended by the kernel when
+    its frontend dies, however it dies (a SIGKILL leaves no worker behind holding the model's memory)."""
+    exit_with_parent()
+    set_process_name("cs-second-pass")
 
 
 def _load(spec: str, cpu_threads: int, device: str, nice: int) -> tuple[float, str]:
@@ -287,7 +295,7 @@ class SecondPass:
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn")
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_started
         )
 
     def _finish(self, job: _Job, outcome: str, gated: bool = False) -> bool:
