@@ -8,7 +8,8 @@ Routes::
     GET  /health                                200 while the server is SERVING, else 503
     GET  /v1/models                             the served models, in OpenAI's list shape
     POST /v1/audio/transcriptions               a file, transcribed (transcriptions.py)
-    GET  /v1/realtime?intent=transcription      the Realtime API's transcription events (realtime.py)
+    GET  /v1/realtime?intent=transcription      the Realtime API's transcription events (realtime.py);
+                                                &resumable=true, &resume_token=...: realtime_resume.py
     POST /v1/realtime/transcription_sessions    a short-lived client secret for a browser (secrets.py)
     POST /v1/realtime/client_secrets            the same, in the newer API's shape
     GET  /v1/media-streams/twilio               Twilio Media Streams' WebSocket (media_streams.py)
@@ -23,6 +24,10 @@ whose ``Origin`` is another site's, or whose ``Host`` is a name the server does 
 gets 403 (``HttpConfig.allowed_origins``/``allowed_hosts`` add others), and there are no client secrets.
 A connection that sends no request for ``HttpConfig.idle_timeout_s`` (before its first, or between
 kept-alive ones) is closed. TLS is the gRPC port's: the same files, reloaded when they change.
+
+With several frontends each also serves ``/v1/realtime`` on a socket of its own in the server's private run
+folder, for the resumes of its sessions that land on a sibling (``realtime_resume.relay``): the sibling
+authenticated the client and names its token in ``RELAYED_TOKEN_HEADER``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import ipaddress
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +51,15 @@ from cosystream.server.http import HttpConfig
 from cosystream.server.http.errors import ApiError
 from cosystream.server.http.media_streams import MAX_MESSAGE_BYTES, AudioForkStream, MediaSocket, TwilioStream
 from cosystream.server.http.realtime import RealtimeConnection
+from cosystream.server.http.realtime_resume import (
+    HeldConnections,
+    ResumeRefused,
+    ResumeRequest,
+    holder,
+    http_socket,
+    relay,
+    wants_resume,
+)
 from cosystream.server.http.secrets import (
     DEFAULT_TTL_S,
     MAX_TTL_S,
@@ -69,6 +84,8 @@ socket closes needs a second)..."""
 WEBSOCKETS_PER_TOKEN = 256
 """... and a token without ``max_sessions``."""
 HTTP_HELP = "send the header 'Authorization: Bearer TOKEN' with a token this server knows"
+RELAYED_TOKEN_HEADER = "Cosystream-Token-Name"
+"""A relayed resume's token (its name; absent: authentication is off), on a frontend's own socket only."""
 
 
 PAGE_POLICY = "default-src 'self'; img-src 'self' data:; connect-src 'self' blob:; frame-ancestors 'none'"
@@ -102,10 +119,12 @@ class HttpServer:
         self.serving = serving
         self.port = config.port
         self.connections: set[RealtimeConnection] = set()
+        self.held = HeldConnections(servicer)
         self.media_sockets: set[MediaSocket] = set()
         self.webhook = WebhookPoster(config.media_webhook) if config.media_webhook else None
         self.transcriber = Transcriber(servicer, config.max_upload_bytes, config.max_upload_audio_s)
         self._runner: web.AppRunner | None = None
+        self._relay_runner: web.AppRunner | None = None
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=self.config.max_upload_bytes + (1 << 20))
@@ -143,19 +162,28 @@ class HttpServer:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("HTTP on %s:%d (%s)", self.config.host, self.port, "TLS" if self.ssl else "plaintext")
+        options = self.servicer.options
+        if options.peers:  # (the resumes of this frontend's sessions that land on a sibling)
+            relayed = web.Application()
+            relayed.router.add_get("/v1/realtime", self._relayed_realtime)
+            self._relay_runner = web.AppRunner(relayed, handler_cancellation=True, access_log=None)
+            await self._relay_runner.setup()
+            await web.UnixSite(self._relay_runner, http_socket(options.peers[options.frontend_index])).start()
         return self.port
 
     async def stop(self) -> None:
         """Close the WebSockets still open (1001 going away), then the port."""
         for connection in list(self.connections):
             connection.close(1001, "the server is shutting down")
+        self.held.expire_all("the server stopped")
         for socket_ in list(self.media_sockets):
             await socket_.ws.close(code=1001, message=b"the server is shutting down")
         if self.webhook is not None:
             await self.webhook.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        for runner in (self._relay_runner, self._runner):
+            if runner is not None:
+                await runner.cleanup()
+        self._runner = self._relay_runner = None
 
     # Middleware: OpenAI's error shape for every error, expected or not.
     @web.middleware
@@ -347,10 +375,22 @@ class HttpServer:
                 protocols=(protocol,) if protocol else (), max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0
             )
             await ws.prepare(request)
-            return await self._serve_websocket(ws, token, beta)
+            return await self._serve_websocket(ws, request, token, beta)
         finally:
             if held is not None:
                 held.release()
+
+    async def _relayed_realtime(self, request: web.Request) -> web.StreamResponse:
+        """A resume of one of this frontend's sessions that a sibling authenticated and relays."""
+        name = request.headers.get(RELAYED_TOKEN_HEADER)
+        token = None
+        if self.tokens is not None:
+            token = next((t for t in self.tokens.tokens if t.name == name), None)
+            if token is None:
+                raise ApiError(401, "the relayed resume names no token this server knows", "invalid_api_key")
+        ws = web.WebSocketResponse(max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0)
+        await ws.prepare(request)
+        return await self._serve_websocket(ws, request, token, False)
 
     def _hold_websocket(self, token: Token | None) -> Held | None:
         """Count the WebSocket against its token (None: tokens off, nothing counted). Raises
@@ -372,17 +412,44 @@ class HttpServer:
             message = "the server holds all the WebSockets it can; retry in a minute"
         raise ApiError(429, message, "too_many_websockets")
 
-    async def _serve_websocket(self, ws: web.WebSocketResponse, token: Token | None, beta: bool):
-        connection = RealtimeConnection(self.servicer, ws, token, beta, self.config.ws_idle_timeout_s)
+    async def _serve_websocket(
+        self, ws: web.WebSocketResponse, request: web.Request, token: Token | None, beta: bool
+    ) -> web.WebSocketResponse:
+        connection = None
+        try:
+            resume = ResumeRequest.of(request.query)
+            if resume is not None:
+                sibling = holder(resume.token, self.servicer)
+                if sibling is not None:
+                    self.servicer.metrics.forwarded()
+                    headers = {} if token is None else {RELAYED_TOKEN_HEADER: token.name}
+                    await relay(request, ws, http_socket(self.servicer.options.peers[sibling]), headers)
+                    return ws
+                connection = await self.held.take(resume, token)
+        except ResumeRefused as refused:
+            log.info("realtime resume refused: %s", refused.message)
+            error = {"type": "invalid_request_error", "code": refused.code, "message": refused.message}
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_json({"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}", "error": error})
+                await ws.close(code=1008, message=refused.message[:120].encode())
+            return ws
+        if connection is None:
+            held = self.held if wants_resume(request.query) else None
+            connection = RealtimeConnection(self.servicer, ws, token, beta, self.config.ws_idle_timeout_s, held)
         self.connections.add(connection)
         self.servicer.metrics.websocket(opened=True)
         started = time.monotonic()
         try:
-            await connection.serve()
+            await (connection.serve() if resume is None else connection.resume(ws))
         finally:
             self.connections.discard(connection)
             self.servicer.metrics.websocket(opened=False)
-            log.info("realtime session %s closed after %.1f s", connection.session_id, time.monotonic() - started)
+            log.info(
+                "realtime session %s: its WebSocket closed after %.1f s%s",
+                connection.session_id,
+                time.monotonic() - started,
+                ", the session held for a resume" if connection.detached else "",
+            )
             with contextlib.suppress(Exception):
                 await ws.close()
         return ws

@@ -21,6 +21,7 @@ item's whole text so far, ``stability`` (the native result's: 1.0 when the text 
 (the server's timings, as in the native ``Latency``).
 
 The session's settings (``session.update`` read, ``session.*`` described) are in ``realtime_settings.py``.
+A connection opened with ``resumable=true`` survives a dropped WebSocket: ``realtime_resume.py``.
 """
 
 from __future__ import annotations
@@ -32,15 +33,22 @@ import contextlib
 import json
 import logging
 import uuid
+from collections import deque
 from typing import Any
 
 import grpc
-from aiohttp import WSMsgType, web
+from aiohttp import WebSocketError, WSMsgType, web
 
 from cosystream.priority import Priority
 from cosystream.server.auth import Token
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.common import native_model, prompt_phrases, seconds
+from cosystream.server.http.realtime_resume import (
+    PROGRESS_AUDIO_MS,
+    PROGRESS_EVENTS,
+    REPLAY_EVENTS,
+    HeldConnections,
+)
 from cosystream.server.http.realtime_settings import EventError, Settings, apply_update, describe
 from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.servicer import CosyStreamServicer
@@ -112,8 +120,8 @@ class _Buffer:
         return round(self.offset_ms + stream_ms)
 
     async def append(self, audio: bytes) -> None:
-        self.sent_bytes += len(audio)
         await self.stream.send_audio(audio)
+        self.sent_bytes += len(audio)  # (after: an append cut off by a dropped connection was not taken)
 
     def commit(self, asked: bool = True, event_id: str | None = None) -> None:
         """End the buffer (``asked``: by the client's commit, whose ``event_id`` an error names if the buffer
@@ -250,7 +258,8 @@ class _Buffer:
 
 
 class RealtimeConnection:
-    """One WebSocket's transcription session."""
+    """One WebSocket's transcription session; ``held``: where it is held when its WebSocket drops (None: not
+    resumable, it ends with its WebSocket)."""
 
     def __init__(
         self,
@@ -259,9 +268,10 @@ class RealtimeConnection:
         token: Token | None,
         beta: bool,
         idle_timeout_s: float | None = None,  # None: HttpConfig's default; 0: never
+        held: HeldConnections | None = None,
     ):
         self.servicer = servicer
-        self.ws = ws
+        self.ws: web.WebSocketResponse | None = ws  # (None while held)
         self.token = token
         self.beta = beta
         self.session_id = _new_id("sess")
@@ -271,30 +281,79 @@ class RealtimeConnection:
         self.ended_ms = 0.0  # audio of the buffers before the current one
         self.last_item: str | None = None
         self.closing: tuple[int, str] | None = None
-        self._out: asyncio.Queue = asyncio.Queue(QUEUED_EVENTS)
+        # Every event emitted, numbered 1, 2, ... (the last REPLAY_EVENTS kept as sent: event_id, JSON), and
+        # one writer per WebSocket sending them in order.
+        self.emitted = 0
+        self._events: deque[tuple[str, str]] = deque(maxlen=REPLAY_EVENTS)
+        self._wake = asyncio.Event()
+        self._written = 0  # the last event the writer sent
+        self._backlog_from = 0  # (events before this one are a resume's replay, not a client falling behind)
+        self._close_at: int | None = None  # the last event sent before the close
         self._writer: asyncio.Task | None = None
         self._closer: asyncio.Task | None = None
         self.idle_timeout_s = HttpConfig().ws_idle_timeout_s if idle_timeout_s is None else idle_timeout_s
         self._active_s = 0.0  # the loop's time of the last event either way
+        # Resume (realtime_resume.py): the client's messages taken (and how many of a resume's to skip), what
+        # the client was last told, and while held, the expiry timer.
+        self.held = held
+        self.resume_token = held.add(self) if held is not None else ""
+        self.received_events = 0
+        self.skip_events = 0
+        self.replay_from = 0  # the first WebSocket is sent every event; a resumed one those after this
+        self._reported = (0, 0.0)  # (client events, audio ms) as last told
+        self.expiry: asyncio.TimerHandle | None = None
+        self._parked = asyncio.Event()  # set while held: no WebSocket carries the connection
+        self.ended = False
+        self._handler: asyncio.Task | None = None  # the task serving the current WebSocket
+        self._receiving = False  # (it waits for the client's next message)
+        self._letting_go = False  # a resume takes the connection from its current WebSocket
+
+    @property
+    def detached(self) -> bool:
+        return self._parked.is_set()
+
+    @detached.setter
+    def detached(self, value: bool) -> None:
+        self._parked.set() if value else self._parked.clear()
+
+    @property
+    def audio_ms(self) -> float:
+        """The connection's audio so far (every buffer's)."""
+        return self.ended_ms + (self.buffer.audio_ms if self.buffer is not None else 0.0)
 
     # Server events, in order, through one writer.
     def emit(self, event: dict) -> None:
         self._active_s = asyncio.get_running_loop().time()
         event.setdefault("event_id", _new_id("event"))
         event = {"type": event.pop("type"), "event_id": event.pop("event_id"), **event}
-        try:
-            self._out.put_nowait(event)
-        except asyncio.QueueFull:
+        self.emitted += 1
+        self._events.append((event["event_id"], json.dumps(event)))
+        self._wake.set()
+        if self.ws is not None and self.emitted - max(self._written, self._backlog_from) > QUEUED_EVENTS:
             log.info("realtime session %s: the client reads no events; closing", self.session_id)
             self.close(1008, "the client does not read its events")
 
-    async def _write(self) -> None:
+    def event_index(self, event_id: str) -> int | None:
+        """The number of the kept event ``event_id`` (None: not one of them)."""
+        for back, (kept_id, _) in enumerate(reversed(self._events)):
+            if kept_id == event_id:
+                return self.emitted - back
+        return None
+
+    async def _write(self, ws: web.WebSocketResponse, after: int) -> None:
+        """Send ``ws`` the events after number ``after``, as they come, to the close."""
+        self._written = after
         with contextlib.suppress(ConnectionError, RuntimeError):
             while True:
-                event = await self._out.get()
-                if event is None:
-                    break
-                await self.ws.send_str(json.dumps(event))
+                last = self.emitted if self._close_at is None else self._close_at
+                while self._written < last:
+                    first = self.emitted - len(self._events) + 1
+                    await ws.send_str(self._events[self._written + 1 - first][1])
+                    self._written += 1
+                if self._close_at is not None:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
 
     def error(self, message: str, code: str, param: str | None = None, event_id: str | None = None) -> None:
         kind = "invalid_request_error" if code not in ("server_error", "internal") else "server_error"
@@ -312,11 +371,16 @@ class RealtimeConnection:
             self.close(_FATAL[code], message)
 
     def close(self, code: int, reason: str) -> None:
-        """Send what is queued, then close the WebSocket with ``code`` (the client's reading ends)."""
+        """Send what is queued, then close the WebSocket with ``code`` (the client's reading ends). A held
+        connection has no WebSocket to tell: it ends."""
         if self.closing is None:
             self.closing = (code, reason[:120])
-            with contextlib.suppress(asyncio.QueueFull):
-                self._out.put_nowait(None)
+            self._close_at = self.emitted
+            self._wake.set()
+            if self.detached:
+                log.info("realtime session %s ended while held: %s", self.session_id, reason)
+                self.end()
+                return
             self._closer = asyncio.get_running_loop().create_task(self._close())
 
     async def _close(self) -> None:
@@ -324,7 +388,8 @@ class RealtimeConnection:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(self._writer), CLOSE_WAIT_S)
         code, reason = self.closing
-        await self.ws.close(code=code, message=reason.encode())
+        if self.ws is not None:
+            await self.ws.close(code=code, message=reason.encode())
 
     def buffer_done(self, buffer: _Buffer) -> None:
         self.buffers.discard(buffer)
@@ -355,28 +420,127 @@ class RealtimeConnection:
             self.close(1000, f"idle for {self.idle_timeout_s:g} s")
 
     async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._writer = loop.create_task(self._write())
+        """Serve the connection's first WebSocket."""
         name = "transcription_session.created" if self.beta else "session.created"
         self.emit({"type": name, "session": self._describe(self.beta)})
+        if self.resume_token:
+            self.emit(
+                {
+                    "type": "cosystream.session.resumable",
+                    "resume_token": self.resume_token,
+                    "resume_window_s": self.held.window_s,
+                }
+            )
+        await self._serve()
+
+    async def resume(self, ws: web.WebSocketResponse) -> None:
+        """Serve a WebSocket that resumed the connection (``HeldConnections.take`` checked it): the events after
+        ``replay_from`` again, then on; the first ``skip_events`` of its messages the server has already."""
+        self.ws = ws
+        self.emit(
+            {
+                "type": "cosystream.session.resumed",
+                "resume_token": self.resume_token,
+                "client_events": self.received_events,
+                "replayed_events": self.emitted - self.replay_from,
+                "audio_ms": round(self.audio_ms),
+            }
+        )
+        await self._serve()
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        ws = self.ws
+        self._handler, self._letting_go = asyncio.current_task(), False
+        self._backlog_from = self.emitted
+        self._active_s = loop.time()
+        self._writer = loop.create_task(self._write(ws, self.replay_from))
         watchdog = loop.create_task(self._watch_idle()) if self.idle_timeout_s > 0 else None
+        dropped = True  # (cancelled: aiohttp cancels the handler of a connection that is lost)
         try:
-            async for message in self.ws:
-                self._active_s = loop.time()
-                if message.type != WSMsgType.TEXT:
-                    if message.type == WSMsgType.BINARY:
-                        self.error("send events as JSON text messages", "invalid_json")
-                    continue
-                await self._event(message.data)
-                if self.closing is not None:
+            while self.closing is None and not self._letting_go:
+                self._receiving = True
+                try:
+                    message = await ws.receive()
+                finally:
+                    self._receiving = False
+                if message.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    self._active_s = loop.time()
+                    await self._message(message)
+                elif message.type not in (WSMsgType.PING, WSMsgType.PONG):
+                    # A close frame ends the session, as does a protocol error; EOF or a reset is a drop.
+                    dropped = message.type == WSMsgType.CLOSED or (
+                        message.type == WSMsgType.ERROR and not isinstance(message.data, WebSocketError)
+                    )
                     break
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            await self._finish()
+            self._handler = None
+            if self.held is not None and dropped and self.closing is None and not self.ended:
+                self._park()
+            else:
+                await self._finish()
+
+    async def _message(self, message) -> None:
+        """The client's next message (one a resume's client sends again, and the server has, is skipped)."""
+        if self.skip_events:
+            self.skip_events -= 1
+            return
+        if message.type == WSMsgType.BINARY:
+            self.error("send events as JSON text messages", "invalid_json")
+        else:
+            await self._event(message.data)
+        self.received_events += 1
+        if self.resume_token:
+            events, audio_ms = self._reported
+            if self.audio_ms - audio_ms >= PROGRESS_AUDIO_MS or self.received_events - events >= PROGRESS_EVENTS:
+                self._reported = (self.received_events, self.audio_ms)
+                self.emit(
+                    {
+                        "type": "cosystream.session.received",
+                        "client_events": self.received_events,
+                        "audio_ms": round(self.audio_ms),
+                    }
+                )
+
+    def _park(self) -> None:
+        """The WebSocket went away without a close: hold the connection (its buffers go on) for a resume."""
+        if self._writer is not None:
+            self._writer.cancel()
+        self.ws = None
+        self.detached = True
+        self.held.park(self)
+
+    async def let_go(self, timeout_s: float) -> bool:
+        """A resume takes the connection from its WebSocket, which the server has not seen drop: stop reading it
+        (after the message being handled) and hold the connection; True once held."""
+        self._letting_go = True
+        if self._receiving and self._handler is not None:
+            self._handler.cancel()
+        try:
+            await asyncio.wait_for(self._parked.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def end(self) -> None:
+        """Free a held connection (not resumed in time, ended meanwhile, the server stops): its buffers' native
+        streams are dropped, their slots freed."""
+        self.ended = True
+        if self.held is not None:
+            self.held.forget(self)
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        for buffer in list(self.buffers):
+            buffer.task.cancel()
 
     async def _finish(self) -> None:
         """The client left (or the server closes): buffers still open are dropped, their slots freed."""
+        self.ended = True
+        if self.held is not None:
+            self.held.forget(self)
         for buffer in list(self.buffers):
             buffer.task.cancel()
         for buffer in list(self.buffers):
