@@ -270,7 +270,7 @@ def test_a_resume_that_lands_on_another_frontend_is_relayed_to_the_one_holding_t
         whole = asyncio.run(ResumingClient(served.http_port, events, [], None).run())
         proxy = CuttingProxy(served.http_port)
         try:
-            client = ResumingClient(proxy.port, events, [10 + 15 * i for i in range(6)], proxy)
+            client = ResumingClient(proxy.port, events, [8 + 12 * i for i in range(6)], proxy)
             resumed = asyncio.run(client.run())
         finally:
             proxy.close()

@@ -26,17 +26,14 @@ import contextlib
 import logging
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from aiohttp import WSMsgType, web
 
+from cosystream.frontend.host import SessionHost
 from cosystream.server.auth import Token
 from cosystream.server.forward import token_frontend
-
-if TYPE_CHECKING:
-    from cosystream.frontend.host import SessionHost
-    from cosystream.server.http.realtime import RealtimeConnection
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +45,27 @@ PROGRESS_AUDIO_MS = 1000
 PROGRESS_EVENTS = 32
 TAKE_OVER_S = 5.0
 """How long a resume waits for a connection the server has not seen drop to let the session go."""
+
+
+class Resumable(Protocol):
+    """What is held of a resumable connection (``realtime.RealtimeConnection``)."""
+
+    session_id: str
+    token: Token | None
+    resume_token: str
+    received_events: int  # the client's messages taken
+    emitted: int  # the server's events, numbered 1, 2, ...
+    detached: bool  # no WebSocket carries it
+    ended: bool
+    expiry: asyncio.TimerHandle | None
+    skip_events: int  # (set by a resume: the client's messages it sends again that the server has)
+    replay_from: int  # (set by a resume: the events after this one are sent again)
+
+    def event_index(self, event_id: str) -> int | None: ...
+
+    async def let_go(self, timeout_s: float) -> bool: ...
+
+    def end(self) -> None: ...
 
 
 class ResumeRefused(Exception):
@@ -104,22 +122,22 @@ class HeldConnections:
 
     def __init__(self, host: SessionHost):
         self.host = host
-        self._connections: dict[str, RealtimeConnection] = {}
+        self._connections: dict[str, Resumable] = {}
 
     @property
     def window_s(self) -> float:
         return self.host.options.resume_window_s
 
-    def add(self, connection: RealtimeConnection) -> str:
+    def add(self, connection: Resumable) -> str:
         """A new resumable connection's token."""
         token = self.host.new_resume_token()
         self._connections[token] = connection
         return token
 
-    def forget(self, connection: RealtimeConnection) -> None:
+    def forget(self, connection: Resumable) -> None:
         self._connections.pop(connection.resume_token, None)
 
-    def park(self, connection: RealtimeConnection) -> None:
+    def park(self, connection: Resumable) -> None:
         """``connection``'s WebSocket went away without a close: hold it for the window."""
         connection.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, connection)
         log.info(
@@ -131,7 +149,7 @@ class HeldConnections:
             connection.emitted,
         )
 
-    def _expire(self, connection: RealtimeConnection, why: str = "no resume within the window") -> None:
+    def _expire(self, connection: Resumable, why: str = "no resume within the window") -> None:
         if connection.detached and not connection.ended:
             self.host.metrics.expired()
             log.info("realtime session %s freed: %s", connection.session_id, why)
@@ -142,7 +160,7 @@ class HeldConnections:
         for connection in list(self._connections.values()):
             self._expire(connection, why)
 
-    async def take(self, request: ResumeRequest, caller: Token | None) -> RealtimeConnection:
+    async def take(self, request: ResumeRequest, caller: Token | None) -> Resumable:
         """The connection ``request`` names, let go by its old WebSocket (if it still had one), checked for
         ``request``'s offsets and for ``caller`` (None: authentication is off: its owner's token, as gRPC's
         resume); raises :class:`ResumeRefused` saying why not (the connection stays held)."""
