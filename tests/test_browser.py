@@ -1,8 +1,9 @@
 """The captioning page (``GET /``) in a real headless Chromium, driven by selenium: the microphone is
 Chromium's fake capture device playing speech synthesized by espeak-ng, through the page's AudioWorklet,
 over the Realtime WebSocket of a real server on loopback; the test reads the captions, the latency
-readout and the WebVTT download from the DOM. Also: tokens and client secrets, a refused microphone, a
-server that goes away, and the worklet's resampler measured on tones.
+readout and the WebVTT download from the DOM. Also: a connection cut mid-sentence by a TCP proxy (the page
+resumes its session), tokens and client secrets, a refused microphone, a server that goes away, and the
+worklet's resampler measured on tones.
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (``make system-deps``); skipped without them. Nothing
 is downloaded: selenium is given the driver's path and runs offline.
@@ -35,6 +36,7 @@ from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from tests.servers import CuttingProxy
 from tests.speech import encode, needs_espeak, silence, speech
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -278,6 +280,34 @@ def test_captions_from_the_microphone_with_latency_and_a_vtt_download(browser, s
     page.wait(lambda: page.status()[0].startswith("Stopped"), 10, "stopped")
     assert page.element("start").text == "Start" and page.finals() == finals
     page.wait(lambda: active_sessions(server) == 0, 10, "the server's session closed")
+
+
+@needs_espeak
+def test_a_connection_cut_mid_sentence_resumes_and_the_captions_are_whole(browser, server):
+    """The page served through a TCP proxy on loopback that resets its connections (as a network dropping
+    them does) while the first sentence is being spoken: the page reconnects, resumes its session and sends
+    the audio the server had not taken; the captions are those of an uncut run, each once."""
+    proxy = CuttingProxy(server.frontend.http_port)
+    try:
+        page = Page(browser, f"http://127.0.0.1:{proxy.port}/")
+        page.click_start()
+        page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
+        live_line = "return document.getElementById('partial').textContent"
+        page.wait(lambda: browser.execute_script(live_line), 20, "the first words on the live line")
+        proxy.cut()  # mid-sentence
+        page.wait(lambda: "reconnected" in page.status()[0], 15, "the session resumed")
+        assert "nothing was lost" in page.status()[0] and page.status()[1] == "live", page.status()
+        finals = page.wait(lambda: len(f := page.finals()) >= 2 and f, WAIT_CAPTIONS_S, "two finals")
+        time.sleep(1.5)  # (nothing comes twice)
+        assert page.finals() == finals and len(finals) == 2, finals
+        assert heard(finals[0]) and heard(finals[1], OTHER), finals
+        times = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#finals li time")]
+        assert times == ["00:00", "00:04"], times  # the session's clock went on through the cut
+        page.click_start()  # stop
+        page.wait(lambda: page.status()[0].startswith("Stopped"), 10, "stopped")
+        page.wait(lambda: active_sessions(server) == 0, 10, "the server's session closed")
+    finally:
+        proxy.close()
 
 
 @needs_espeak

@@ -8,6 +8,14 @@
 // The live line shows an interim's words once they have stood unchanged for HOLD_MS (stable.js), so a beam
 // search's revisions of its newest words are rarely seen. The token field shows only on a server that
 // asks for a token (GET v1/models answers 401 without one).
+//
+// The session is resumable (`resumable=true`): the page keeps every event it sends until the server says
+// it took it (`cosystream.session.received`; at most RESUME_KEPT), and when the connection drops without a
+// close (code 1006: Wi-Fi, a proxy, a laptop lid) it reconnects with the session's token, the oldest event
+// it kept and the last event it received (`cosystream.session.resumed`): the server sends again what was
+// lost, the page sends again what the server did not take, and the captions go on whole. The microphone
+// runs on meanwhile. Past the server's resume window, or when the server no longer holds the session, the
+// page opens a new session with the audio it kept and says so.
 
 import { StableInterim } from "./stable.js";
 
@@ -18,6 +26,8 @@ const STOP_WAIT_MS = 3000; // for the last final after a commit
 const CONNECT_TIMEOUT_MS = 15000; // from opening the socket to the session being set up
 const MARKS_KEPT = 1500; // batches (30 s) remembered for the delay readout
 const TOKEN_KEY = "cosystream.token";
+const RESUME_KEPT = 3000; // events (a minute of BATCH_MS batches) kept to send again after a resume
+const RESUME_BACKOFF_MS = [250, 500, 1000, 2000]; // between reconnection attempts (the last repeats)
 const ROOT = new URL("../", import.meta.url); // the server's root, wherever the page is mounted
 
 const ui = {
@@ -166,6 +176,16 @@ function follow(update) {
   if (atBottom) box.scrollTop = box.scrollHeight;
 }
 
+/** An `input_audio_buffer.append` event of 16-bit PCM. */
+function appendEvent(pcm) {
+  const bytes = new Uint8Array(pcm);
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x2000) {
+    binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x2000));
+  }
+  return { type: "input_audio_buffer.append", audio: btoa(binary) };
+}
+
 /** One start-to-stop run: the microphone, the worklet and the socket. */
 class Session {
   constructor(transcript, onEnd) {
@@ -184,6 +204,18 @@ class Session {
     this.revealTimer = null;
     this.lastError = null;
     this.completedWaiter = null;
+    // Resume: the session's token and window, the events sent that the server has not said it took (the
+    // first of them is event number outboxFirst of the session), the last event received, and while the
+    // connection is down, when it dropped.
+    this.resume = null;
+    this.outbox = [];
+    this.outboxFirst = 0;
+    this.lastEventId = null;
+    this.lostAt = null;
+    this.attempts = 0;
+    this.resumeRefused = null; // why the server would not resume (its error message)
+    this.takenAudioMs = 0; // the session's audio the server said it took, with the first of the outbox
+    this.timeOffsetMs = 0; // where the current server session's times start on the page's clock
   }
 
   async start() {
@@ -271,16 +303,28 @@ class Session {
     throw new PageError(`The server refused to open a session: ${message}`);
   }
 
-  connect(secret) {
+  connect(secret, resuming = false) {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-    const url = `${scheme}//${ROOT.host}${ROOT.pathname}v1/realtime?intent=transcription`;
+    const query = new URLSearchParams({ intent: "transcription" });
+    if (resuming) {
+      query.set("resume_token", this.resume.token);
+      query.set("resume_offset_events", String(this.outboxFirst));
+      query.set("resume_after_event", this.lastEventId);
+    } else {
+      query.set("resumable", "true");
+    }
+    const url = `${scheme}//${ROOT.host}${ROOT.pathname}v1/realtime?${query}`;
     const protocols = ["realtime"];
     if (secret) protocols.push(`openai-insecure-api-key.${secret}`);
     this.ws = new WebSocket(url, protocols);
     this.opened = false;
     this.ws.onopen = () => {
       this.opened = true;
-      setStatus("Connected: setting up the session…");
+      if (resuming) {
+        for (const text of this.outbox) this.ws.send(text); // (those the server has it skips)
+      } else {
+        setStatus("Connected: setting up the session…");
+      }
     };
     this.ws.onmessage = (message) => this.fromServer(message.data);
     this.ws.onclose = (event) => this.closed(event);
@@ -291,17 +335,28 @@ class Session {
     }, CONNECT_TIMEOUT_MS);
   }
 
+  /** Sends `event` now, or after a reconnection (every event is kept until the server says it took it). */
   send(event) {
-    if (this.ws?.readyState === WebSocket.OPEN) this.ws.send(JSON.stringify(event));
+    const text = JSON.stringify(event);
+    this.outbox.push(text);
+    if (this.outbox.length > RESUME_KEPT) {
+      this.outbox.shift(); // (a resume is then refused: the page starts a new session)
+      this.outboxFirst++;
+    }
+    if (this.ws?.readyState === WebSocket.OPEN) this.ws.send(text); // (else: sent on the next open)
+  }
+
+  /** The server took the session's first `events` events, `audioMs` of audio. */
+  taken(events, audioMs) {
+    const done = events - this.outboxFirst;
+    if (done <= 0) return;
+    this.outbox.splice(0, done);
+    this.outboxFirst = events;
+    this.takenAudioMs = audioMs;
   }
 
   sendAudio(pcm) {
-    const bytes = new Uint8Array(pcm);
-    let binary = "";
-    for (let i = 0; i < bytes.length; i += 0x2000) {
-      binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x2000));
-    }
-    this.send({ type: "input_audio_buffer.append", audio: btoa(binary) });
+    this.send(appendEvent(pcm));
   }
 
   fromWorklet(data) {
@@ -319,7 +374,7 @@ class Session {
       this.markHead = 0;
     }
     if (this.ready) this.sendAudio(data.pcm);
-    else if (!this.ended) this.queued.push(data.pcm); // until the session has our settings
+    else if (!this.ended) this.queued.push(appendEvent(data.pcm)); // until the session has our settings
   }
 
   fromServer(text) {
@@ -329,7 +384,20 @@ class Session {
     } catch {
       return;
     }
+    if (event.event_id) this.lastEventId = event.event_id;
     switch (event.type) {
+      case "cosystream.session.resumable":
+        this.resume = { token: event.resume_token, windowMs: (event.resume_window_s ?? 30) * 1000 };
+        break;
+      case "cosystream.session.received":
+        this.taken(event.client_events, event.audio_ms);
+        break;
+      case "cosystream.session.resumed":
+        this.taken(event.client_events, event.audio_ms);
+        this.lostAt = null;
+        this.attempts = 0;
+        if (!this.stopping) setStatus("Listening: reconnected, nothing was lost.", "live");
+        break;
       case "session.created": {
         const input = {
           format: { type: "audio/pcm", rate: this.rateHz },
@@ -349,9 +417,15 @@ class Session {
         }
         if (!this.ready) {
           this.ready = true;
-          for (const pcm of this.queued) this.sendAudio(pcm);
+          for (const append of this.queued) this.send(append);
           this.queued = [];
-          if (!this.stopping) setStatus("Listening: speak now.", "live");
+          if (this.stopping) break;
+          if (this.freshBecause) {
+            setStatus(`Listening in a new session: ${this.freshBecause}`, "live");
+            this.freshBecause = null;
+          } else {
+            setStatus("Listening: speak now.", "live");
+          }
         }
         break;
       }
@@ -376,7 +450,8 @@ class Session {
         follow(() => {
           ui.partial.textContent = "";
           delete ui.partial.dataset.speaking;
-          if (text) this.transcript.add(event.start_ms ?? 0, event.end_ms ?? event.start_ms ?? 0, text);
+          const startMs = this.timeOffsetMs + (event.start_ms ?? 0);
+          if (text) this.transcript.add(startMs, this.timeOffsetMs + (event.end_ms ?? event.start_ms ?? 0), text);
         });
         this.showLatency(event.latency);
         if (event.item_id === this.item) this.item = null;
@@ -386,6 +461,10 @@ class Session {
       case "error": {
         const error = event.error || {};
         if (this.stopping && error.code === "input_audio_buffer_commit_empty") break;
+        if (this.lostAt !== null && error.code?.startsWith("resume_")) {
+          this.resumeRefused = error.message || error.code; // (the close that follows starts a new session)
+          break;
+        }
         this.lastError = error.message || error.code || "unknown error";
         setStatus(`The server reported an error: ${this.lastError}`, "error");
         break;
@@ -422,7 +501,7 @@ class Session {
     if (typeof latency.receive_to_send_ms === "number") {
       ui.latencyServer.textContent = ms(latency.receive_to_send_ms);
     }
-    const heardMs = latency.audio_processed_ms;
+    const heardMs = this.timeOffsetMs + latency.audio_processed_ms;
     if (typeof heardMs !== "number" || heardMs <= 0) return;
     // The delay: from when the page got the audio that the text reaches to now.
     const marks = this.marks;
@@ -436,6 +515,17 @@ class Session {
       this.end();
       return;
     }
+    if (this.resumeRefused !== null) {
+      const why = this.resumeRefused;
+      this.resumeRefused = null;
+      this.startFresh(`the server no longer held the old one (${why.split(":")[0]})`);
+      return;
+    }
+    // A drop (no close frame), or a reconnection that did not get through: reconnect.
+    if (this.resume && event.code === 1006 && (this.opened || this.lostAt !== null)) {
+      this.reconnect();
+      return;
+    }
     let message;
     if (!this.opened) {
       message = `Could not connect to the server at ${ROOT.host} (WebSocket closed, code ${event.code}).`;
@@ -444,6 +534,44 @@ class Session {
       message = `The server closed the connection (code ${event.code}${why ? `: ${why}` : ""}).`;
     }
     this.fail(message);
+  }
+
+  /** Reconnects after a backoff and resumes the session; past its window, opens a new one. */
+  async reconnect() {
+    if (this.lostAt === null) this.lostAt = performance.now();
+    if (performance.now() - this.lostAt > this.resume.windowMs) {
+      this.startFresh("the connection was down for longer than the server holds a session");
+      return;
+    }
+    setStatus("The connection dropped: reconnecting… (the microphone is still on)");
+    const delayMs = RESUME_BACKOFF_MS[Math.min(this.attempts, RESUME_BACKOFF_MS.length - 1)];
+    this.attempts++;
+    await new Promise((resolve) => setTimeout(resolve, delayMs));
+    if (this.ended || this.stopping) return;
+    let secret;
+    try {
+      secret = await this.clientSecret();
+    } catch {
+      this.reconnect(); // (unreachable for now: try again, within the window)
+      return;
+    }
+    if (!this.ended && !this.stopping) this.connect(secret, true);
+  }
+
+  /** Opens a new session (the old one cannot be resumed), with the audio the server had not taken. */
+  async startFresh(why) {
+    this.timeOffsetMs += this.takenAudioMs;
+    this.queued = this.outbox.map((text) => JSON.parse(text)).filter((e) => e.type === "input_audio_buffer.append");
+    Object.assign(this, { resume: null, outbox: [], outboxFirst: 0, lastEventId: null, lostAt: null });
+    Object.assign(this, { attempts: 0, takenAudioMs: 0, ready: false, item: null, freshBecause: why });
+    this.dropInterim();
+    setStatus(`Reconnecting in a new session: ${why}…`);
+    try {
+      const secret = await this.clientSecret();
+      if (!this.ended && !this.stopping) this.connect(secret);
+    } catch (err) {
+      this.fail(err instanceof PageError ? err.message : `Could not reconnect: ${err?.message || err}`);
+    }
   }
 
   /** Ends the session with `message` shown as an error. */
