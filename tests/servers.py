@@ -10,6 +10,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -286,7 +287,8 @@ class WebhookServer(http.server.ThreadingHTTPServer):
 
 class CuttingProxy:
     """A TCP proxy on loopback whose ``cut()`` resets every connection it carries (SO_LINGER 0: an RST, as a
-    network that drops a connection leaves it), while it goes on accepting new ones."""
+    network that drops a connection leaves it), while it goes on accepting new ones; ``cut(outage_s)`` also
+    resets the new ones for that long (a network that stays down)."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
@@ -295,6 +297,7 @@ class CuttingProxy:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._closed = False
+        self._down_until = 0.0  # (time.monotonic())
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -303,6 +306,9 @@ class CuttingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if time.monotonic() < self._down_until:
+                self._reset(client)
+                continue
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             with self._lock:
                 self._sockets += [client, upstream]
@@ -317,14 +323,19 @@ class CuttingProxy:
         except OSError:
             pass
 
-    def cut(self) -> None:
+    def cut(self, outage_s: float = 0.0) -> None:
+        self._down_until = time.monotonic() + outage_s
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for sock in sockets:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RD)  # (wakes the thread reading it: the close below then takes effect)
-            sock.close()
+            self._reset(sock)
+
+    @staticmethod
+    def _reset(sock: socket.socket) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)  # (wakes the thread reading it: the close below then takes effect)
+        sock.close()
 
     def close(self) -> None:
         self._closed = True

@@ -77,11 +77,11 @@ def heard(transcript: str, sentence: str = SENTENCE) -> bool:
 
 
 @contextmanager
-def http_server(tokens: Path | None = None) -> Iterator[LocalServer]:
+def http_server(tokens: Path | None = None, resume_window_s: float = 30.0) -> Iterator[LocalServer]:
     config = FrontendConfig(
         host="127.0.0.1",
         port=0,
-        stream=StreamOptions(idle_timeout_s=5.0),
+        stream=StreamOptions(idle_timeout_s=5.0, resume_window_s=resume_window_s),
         auth_tokens=None if tokens is None else str(tokens),
         http=HttpConfig(host="127.0.0.1", port=0),
     )
@@ -308,6 +308,34 @@ def test_a_connection_cut_mid_sentence_resumes_and_the_captions_are_whole(browse
         page.wait(lambda: active_sessions(server) == 0, 10, "the server's session closed")
     finally:
         proxy.close()
+
+
+@needs_espeak
+def test_a_connection_down_past_the_resume_window_goes_on_in_a_new_session(browser):
+    """The network stays down for longer than the server holds a session: the page says so and goes on in a
+    new session, with the audio the old one had not taken, its captions on the page's clock."""
+    with http_server(resume_window_s=1.0) as short:
+        proxy = CuttingProxy(short.frontend.http_port)
+        try:
+            page = Page(browser, f"http://127.0.0.1:{proxy.port}/")
+            page.click_start()
+            page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
+            live_line = "return document.getElementById('partial').textContent"
+            page.wait(lambda: browser.execute_script(live_line), 20, "the first words on the live line")
+            proxy.cut(outage_s=1.5)  # the page's reconnections fail until the session's window has passed
+            page.wait(lambda: "new session" in page.status()[0], 15, "a new session")
+            status = page.status()
+            # (the server refused the resume, or the page knew the window had passed before it asked)
+            why = ("the server no longer held the old one", "longer than the server holds a session")
+            assert status[1] == "live" and any(w in status[0] for w in why), status
+            finals = page.wait(lambda: any(heard(f, OTHER) for f in page.finals()), WAIT_CAPTIONS_S, "the second")
+            times = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#finals li time")]
+            assert times[-1] == "00:04", (times, finals)  # the new session's times on the page's clock
+            page.click_start()
+            page.wait(lambda: page.status()[0].startswith("Stopped"), 10, "stopped")
+            page.wait(lambda: active_sessions(short) == 0, 10, "both sessions closed")
+        finally:
+            proxy.close()
 
 
 @needs_espeak
