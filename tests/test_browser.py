@@ -282,6 +282,16 @@ def test_captions_from_the_microphone_with_latency_and_a_vtt_download(browser, s
     page.wait(lambda: active_sessions(server) == 0, 10, "the server's session closed")
 
 
+def speaking_through(proxy: CuttingProxy, browser: webdriver.Chrome) -> Page:
+    """The page, served through ``proxy``, started and showing the first sentence's first words."""
+    page = Page(browser, f"http://127.0.0.1:{proxy.port}/")
+    page.click_start()
+    page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
+    live_line = "return document.getElementById('partial').textContent"
+    page.wait(lambda: browser.execute_script(live_line), 20, "the first words on the live line")
+    return page
+
+
 @needs_espeak
 def test_a_connection_cut_mid_sentence_resumes_and_the_captions_are_whole(browser, server):
     """The page served through a TCP proxy on loopback that resets its connections (as a network dropping
@@ -289,11 +299,7 @@ def test_a_connection_cut_mid_sentence_resumes_and_the_captions_are_whole(browse
     the audio the server had not taken; the captions are those of an uncut run, each once."""
     proxy = CuttingProxy(server.frontend.http_port)
     try:
-        page = Page(browser, f"http://127.0.0.1:{proxy.port}/")
-        page.click_start()
-        page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
-        live_line = "return document.getElementById('partial').textContent"
-        page.wait(lambda: browser.execute_script(live_line), 20, "the first words on the live line")
+        page = speaking_through(proxy, browser)
         proxy.cut()  # mid-sentence
         page.wait(lambda: "reconnected" in page.status()[0], 15, "the session resumed")
         assert "nothing was lost" in page.status()[0] and page.status()[1] == "live", page.status()
@@ -317,11 +323,7 @@ def test_a_connection_down_past_the_resume_window_goes_on_in_a_new_session(brows
     with http_server(resume_window_s=1.0) as short:
         proxy = CuttingProxy(short.frontend.http_port)
         try:
-            page = Page(browser, f"http://127.0.0.1:{proxy.port}/")
-            page.click_start()
-            page.wait(lambda: page.status()[1] == "live", 15, "the session listening")
-            live_line = "return document.getElementById('partial').textContent"
-            page.wait(lambda: browser.execute_script(live_line), 20, "the first words on the live line")
+            page = speaking_through(proxy, browser)
             proxy.cut(outage_s=1.5)  # the page's reconnections fail until the session's window has passed
             page.wait(lambda: "new session" in page.status()[0], 15, "a new session")
             status = page.status()

@@ -282,3 +282,40 @@ def test_a_resume_that_lands_on_another_frontend_is_relayed_to_the_one_holding_t
         # (each resume lands on the holder with 1/3 odds: all six doing so, 1 in 729)
         assert served.metric("cosystream_resumes_forwarded_total") >= 1
         served.wait(lambda: served.info().active_sessions == 0, 10, "the session freed")
+
+
+def test_a_resume_must_come_from_the_token_that_opened_the_session(tmp_path):
+    """With tokens on, another token's resume finds nothing (as an unknown token: it learns nothing of the
+    session), and the owner's resume takes it back."""
+    alice, bob = "alice-0123456789abcdef0123", "bob-0123456789abcdef012345"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {alice}\nbob {bob}\n")
+    config = FrontendConfig(
+        host="127.0.0.1",
+        port=0,
+        stream=StreamOptions(idle_timeout_s=10.0, resume_window_s=WINDOW_S),
+        auth_tokens=str(tokens),
+        http=HttpConfig(host="127.0.0.1", port=0),
+    )
+    with LocalServer(frontend_config=config, engine=EngineConfig(max_sessions=2, max_batch=2)) as srv:
+        port = srv.frontend.http_port
+
+        def headers(token: str) -> dict:
+            return {"Authorization": f"Bearer {token}"}
+
+        async def run():
+            url = f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription&resumable=true"
+            ws = await websockets.connect(url, additional_headers=headers(alice))
+            _, resumable = [json.loads(await ws.recv()) for _ in range(2)]
+            ws.transport.abort()  # dropped: held
+            await asyncio.sleep(0.3)
+            again = resume_url(port, resumable["resume_token"], 0, resumable["event_id"])
+            async with websockets.connect(again, additional_headers=headers(bob)) as other:
+                refused = json.loads(await asyncio.wait_for(other.recv(), 10))
+            async with websockets.connect(again, additional_headers=headers(alice)) as owner:
+                resumed = json.loads(await asyncio.wait_for(owner.recv(), 10))
+            return refused, resumed
+
+        refused, resumed = asyncio.run(run())
+    assert refused["type"] == "error" and refused["error"]["code"] == "resume_not_found", refused
+    assert resumed["type"] == "cosystream.session.resumed" and resumed["client_events"] == 0, resumed

@@ -442,7 +442,8 @@ class HttpServer:
         try:
             await (connection.serve() if resume is None else connection.resume(ws))
         finally:
-            self.connections.discard(connection)
+            if connection.ws in (ws, None):  # (not when a resume on another WebSocket has taken it over)
+                self.connections.discard(connection)
             self.servicer.metrics.websocket(opened=False)
             log.info(
                 "realtime session %s: its WebSocket closed after %.1f s%s",

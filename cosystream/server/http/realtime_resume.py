@@ -240,46 +240,20 @@ async def relay(
             raise ResumeRefused(
                 "the frontend holding this session is not answering; retry", "resume_busy"
             ) from None
+        pipes = {
+            asyncio.ensure_future(_pipe(upstream, ws)): "down",
+            asyncio.ensure_future(_pipe(ws, upstream)): "up",
+        }
         clean = False  # (a close frame either way; else the sibling must see a drop, to hold the session)
-
-        async def down() -> None:  # the sibling's events to the client
-            nonlocal clean
-            while True:
-                message = await upstream.receive()
-                if message.type == WSMsgType.TEXT:
-                    await ws.send_str(message.data)
-                elif message.type == WSMsgType.BINARY:
-                    await ws.send_bytes(message.data)
-                elif message.type == WSMsgType.CLOSE:
-                    clean = True
-                    await ws.close(code=message.data, message=(message.extra or "").encode())
-                    return
-                elif message.type in (WSMsgType.CLOSED, WSMsgType.CLOSING, WSMsgType.ERROR):
-                    await ws.close(code=1012, message=b"the frontend holding the session went away; resume again")
-                    return
-
-        async def up() -> None:  # the client's events to the sibling
-            nonlocal clean
-            while True:
-                message = await ws.receive()
-                if message.type == WSMsgType.TEXT:
-                    await upstream.send_str(message.data)
-                elif message.type == WSMsgType.BINARY:
-                    await upstream.send_bytes(message.data)
-                elif message.type == WSMsgType.CLOSE:
-                    clean = True
-                    await upstream.close(code=ws.close_code or 1000)
-                    return
-                elif message.type in (WSMsgType.CLOSED, WSMsgType.CLOSING, WSMsgType.ERROR):
-                    return
-
-        tasks = [asyncio.ensure_future(down()), asyncio.ensure_future(up())]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            clean = any(not task.exception() and task.result() for task in done)
+            if not clean and any(pipes[task] == "down" for task in done):
+                await ws.close(code=1012, message=b"the frontend holding the session went away; resume again")
         finally:
-            for task in tasks:
+            for task in pipes:
                 task.cancel()
-            for task in tasks:
+            for task in pipes:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             if not clean:  # the client dropped: so does the relay, with no close frame (the sibling holds it)
@@ -287,3 +261,18 @@ async def relay(
                 if sock is not None:
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
+
+
+async def _pipe(source, sink) -> bool:
+    """Copy ``source``'s messages to ``sink`` until it goes away; True: with a close frame (passed on)."""
+    while True:
+        message = await source.receive()
+        if message.type == WSMsgType.TEXT:
+            await sink.send_str(message.data)
+        elif message.type == WSMsgType.BINARY:
+            await sink.send_bytes(message.data)
+        elif message.type == WSMsgType.CLOSE:
+            await sink.close(code=message.data, message=(message.extra or "").encode())
+            return True
+        elif message.type in (WSMsgType.CLOSED, WSMsgType.CLOSING, WSMsgType.ERROR):
+            return False
