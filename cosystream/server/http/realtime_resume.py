@@ -57,6 +57,7 @@ class Resumable(Protocol):
     emitted: int  # the server's events, numbered 1, 2, ...
     detached: bool  # no WebSocket carries it
     ended: bool
+    closing: tuple[int, str] | None  # (the server is closing it: it ends, it is not held)
     expiry: asyncio.TimerHandle | None
     skip_events: int  # (set by a resume: the client's messages it sends again that the server has)
     replay_from: int  # (set by a resume: the events after this one are sent again)
@@ -168,7 +169,7 @@ class HeldConnections:
         owner = connection.token if connection is not None else None
         if owner is not None and (caller is None or caller.name != owner.name):
             connection = None  # (another token's session: as if unknown, so a token reveals nothing of it)
-        if connection is None or connection.ended:
+        if connection is None or connection.ended or connection.closing is not None:
             raise ResumeRefused(
                 "no session to resume with this resume_token: it ended, its resume window passed, or it was never "
                 "issued here; open a new session",
