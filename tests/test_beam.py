@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import math
 import random
@@ -185,6 +186,122 @@ def test_arpa_errors_name_the_file_and_line(tmp_path):
     (tmp_path / "empty.arpa").write_text("hello\n")
     with pytest.raises(ValueError, match="not an ARPA file"):
         NgramLm.load(tmp_path / "empty.arpa")
+
+
+class ArpaDicts:
+    """The ARPA read the plain way, every n-gram a dict entry: the reference :class:`NgramLm`'s trie must score
+    exactly as (the representation it replaced)."""
+
+    def __init__(self, text: str) -> None:
+        self.probs, self.bows, self.ids, section = {}, {}, {}, 0
+        for line in text.splitlines():
+            if line.startswith("\\") and line.endswith("-grams:"):
+                section = int(line[1:].split("-")[0])
+            elif section and line.strip() and not line.startswith("\\"):
+                parts = line.split()
+                key = tuple(self.ids.setdefault(w, len(self.ids)) for w in parts[1 : section + 1])
+                self.probs[key] = float(parts[0]) * math.log(10)
+                if len(parts) > section + 1:
+                    self.bows[key] = float(parts[section + 1]) * math.log(10)
+        self.order = max(map(len, self.probs))
+
+    def score(self, state: tuple[int, ...], word: int) -> tuple[float, tuple[int, ...]]:
+        if word < 0:
+            return -30.0 * math.log(10), ()
+        history, bow = state, 0.0
+        while (*history, word) not in self.probs:
+            if not history:
+                return bow - 30.0 * math.log(10), ()
+            bow += self.bows.get(history, 0.0)
+            history = history[1:]
+        nxt = (*state, word)[-(self.order - 1) :]
+        while nxt and nxt not in self.bows:
+            nxt = nxt[1:]
+        return bow + self.probs[(*history, word)], nxt
+
+
+def assert_scores_as_the_arpa(lm: NgramLm, reference: ArpaDicts, samples: int, seed: int = 0) -> int:
+    """Every sampled n-gram's own score, its backed-off scores (a shorter state; a random word after its
+    context) and an unknown word's, equal to the reference's; returns how many were compared."""
+    assert lm.words == list(reference.ids) and lm.order == reference.order
+    rng = random.Random(seed)
+    grams = list(reference.probs)
+    compared = 0
+    for gram in rng.sample(grams, min(samples, len(grams))):
+        for state in (gram[:-1], gram[1:-1], (*gram[:-1], rng.randrange(len(lm.words)))[-(lm.order - 1) :]):
+            for word in (gram[-1], rng.randrange(len(lm.words)), -1):
+                lm._cache.clear()
+                assert lm.score(state, word) == reference.score(state, word), (state, word)
+                compared += 1
+        assert lm.score(gram[:-1], "no-such-word") == reference.score(gram[:-1], lm.unk)
+    for word in lm.words:
+        assert lm.unigram(word) == reference.score((), lm.ids[word])[0]
+    return compared
+
+
+def test_the_trie_scores_as_the_arpa_file_says(tmp_path):
+    # A 4-gram model listing a trigram whose context ("b c") is no bigram, an n-gram twice (the last counts),
+    # a context without a back-off, and no <unk>.
+    arpa = """\\data\\
+ngram 1=5
+ngram 2=4
+ngram 3=3
+ngram 4=1
+
+\\1-grams:
+-1.0\t<s>\t-0.5
+-0.7\ta\t-0.3
+-0.9\tb\t-0.25
+-1.1\tc
+-0.8\t</s>
+
+\\2-grams:
+-0.2\t<s> a\t-0.1
+-0.4\ta b\t-0.2
+-0.3\ta b\t-0.15
+-0.6\tb a
+
+\\3-grams:
+-0.1\t<s> a b\t-0.05
+-0.05\tb c a
+-0.3\ta b a
+
+\\4-grams:
+-0.02\t<s> a b a
+
+\\end\\
+"""
+    (tmp_path / "small.arpa").write_text(arpa)
+    lm, reference = NgramLm.load(tmp_path / "small.arpa"), ArpaDicts(arpa)
+    assert lm.score((1,), 2) == (-0.3 * math.log(10), (1, 2))  # "a b": the last of its two lines
+    # "a b c" -> "b c" (no bigram) -> "c": bow(a b) + bow(b) + p(c)
+    assert lm.score((1, 2), 3) == (pytest.approx(math.log(10) * (-0.15 - 0.25 - 1.1)), ())
+    assert lm.score((2, 3), 1) == (-0.05 * math.log(10), (1,))  # "b c a", listed with no "b c"
+    assert assert_scores_as_the_arpa(lm, reference, 20) > 100
+    for state in [(), (0,), (1,), (2,), (3,), (1, 2), (2, 3), (0, 1, 2), (1, 2, 3), (2, 3, 1)]:
+        for word in range(-1, len(lm.words)):
+            lm._cache.clear()
+            assert lm.score(state, word) == reference.score(state, word), (state, word)
+
+
+def test_the_default_models_lm_scores_as_its_arpa_file_says():
+    path = DEFAULT_MODEL_DIR / "lm.arpa.gz"
+    reference = ArpaDicts(gzip.decompress(path.read_bytes()).decode())
+    assert assert_scores_as_the_arpa(NgramLm.load(path), reference, 3000) == 3000 * 9
+
+
+def test_the_kneser_ney_lm_scores_as_its_arpa_file_says(tmp_path):
+    logprobs, backoffs = kneser_ney([s.split() for s in SENTENCES], order=3, extra_words={"cab", "hat"})
+    write_arpa(tmp_path / "kn.arpa", logprobs, backoffs)
+    reference = ArpaDicts((tmp_path / "kn.arpa").read_text())
+    assert assert_scores_as_the_arpa(NgramLm.load(tmp_path / "kn.arpa"), reference, 1000) > 100
+
+
+def test_the_score_cache_is_bounded(lm, monkeypatch):
+    monkeypatch.setattr("cosystream.decoding.lm.CACHE_ENTRIES", 4)
+    lm._cache.clear()
+    expected = [lm.score(lm.start(), w) for w in lm.words]
+    assert len(lm._cache) <= 4 and [lm.score(lm.start(), w) for w in lm.words] == expected
 
 
 # --- beam search ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class Lexicon:
         self.root: list = [{}, None, 0.0, None]
         self.size = 0
         self.words: Mapping[str, str] = {}  # word -> its spelling, for every word in the trie
-        unigram = (lambda w: lm.score((), w)[0]) if lm is not None else (lambda w: 0.0)
+        unigram = lm.unigram if lm is not None else (lambda w: 0.0)
         for w in words:
             spelling = w if spellings is None else spellings.get(w)
             if not w or not spelling or any(ch not in self.ids for ch in spelling):
