@@ -315,6 +315,66 @@ def test_clear_audio_decodes_to_the_spelled_words(lm):
     assert words[0].start_ms == 20 and words[1].start_ms == 90 and all(w.end_ms > w.start_ms for w in words)
 
 
+def eager_trie(words, ids: dict[str, int], unigram, spellings: dict[str, str] | None, homophones: int) -> list:
+    """The lexicon's trie built node by node as lists and dicts, its form before it was held in arrays."""
+    root: list = [{}, None, 0.0, None]
+    for w in words:
+        spelling = w if spellings is None else spellings.get(w)
+        if not w or not spelling or any(ch not in ids for ch in spelling):
+            continue
+        node = root
+        for ch in spelling:
+            node = node[0].setdefault(ids[ch], [{}, None, 0.0, None])
+        node[1] = (w,) if node[1] is None else node[1] if w in node[1] else (*node[1], w)
+
+    def settle(node: list, depth: int) -> tuple[float, str | None]:
+        best, guess = -1e9, None
+        if node[1] is not None:
+            ranked = sorted((-unigram(w), w) for w in node[1])
+            node[1] = tuple(w for _, w in ranked[:homophones])
+            best, guess = -ranked[0][0], ranked[0][1]
+        for child in node[0].values():
+            score, word = settle(child, depth + 1)
+            if score > best:  # the first of equals
+                best, guess = score, word
+        node[2], node[3] = best if depth else 0.0, guess
+        return best, guess
+
+    settle(root, 0)
+    return root
+
+
+def assert_same_trie(lexicon: Lexicon, expected: list) -> int:
+    """Walks both tries, every node and child in order; returns how many nodes."""
+    nodes, pending = 0, [(lexicon.root, expected)]
+    while pending:
+        node, want = pending.pop()
+        nodes += 1
+        assert node[1:] == want[1:]
+        children = lexicon.children(node)
+        assert list(children) == list(want[0])
+        pending.extend(zip(children.values(), want[0].values(), strict=True))
+    return nodes
+
+
+@pytest.mark.parametrize("homophones", [1, 3])
+def test_the_trie_held_in_arrays_is_the_trie_of_its_words(lm, homophones):
+    words = [w for w in lm.words if lm.known(w)]
+    lexicon = Lexicon(words, VOCAB, lm, homophones=homophones)
+    assert all(child[0].__class__ is int for child in lexicon.root[0].values())  # none made below the root yet
+    ids = lexicon.ids
+    assert assert_same_trie(lexicon, eager_trie(words, ids, lm.unigram, None, homophones)) > len(words)
+    assert dict(lexicon.words) == {w: w for w in words}
+    # Homophones, and ties everywhere (no language model: every unigram 0): the first of equals is kept.
+    spellings = {"read": "red", "red": "red", "reed": "rid", "rid": "rid", "a": "a", "an": "an", "and": "an"}
+    spellings |= {"ant": "ant", "bad": "b'd", "oops": "0"}  # (0: no such token, left out)
+    words = ["reed", "read", "an", "ant", "red", "a", "rid", "bad", "and", "oops"]
+    lexicon = Lexicon(words, VOCAB, spellings=spellings, homophones=homophones)
+    assert assert_same_trie(lexicon, eager_trie(words, ids, lambda w: 0.0, spellings, homophones)) == 12
+    assert dict(lexicon.words) == {w: spellings[w] for w in words if w != "oops"}
+    assert lexicon.size == (6 if homophones == 1 else 9)
+
+
 def test_the_lexicon_turns_a_misspelling_into_a_word(lm):
     # Greedy reads "cqt"; the beam search may only spell lexicon words and finds "cat".
     pattern = "_th_e_|_c_q_t__"

@@ -201,9 +201,13 @@ class BeamCtcDecoder:
         space = self._space
         vocab = self._vocab
         nxt: dict[str, _Prefix] = {}
+        lexicon = self.lexicon
         for p in self._beams.values():
             text = p.text
             total = p.tot
+            children = p.node[0]
+            if children.__class__ is int:  # (a node no search had reached: its children are made now)
+                children = lexicon.children(p.node)
             for k, lp in tokens:
                 if k == 0 or (k == space and not p.partial):  # a break with no word in progress: a blank
                     q = nxt.get(text)
@@ -237,7 +241,7 @@ class BeamCtcDecoder:
                         q.pnb = p.pnb + lp
                     else:
                         q.pnb = _lse(q.pnb, p.pnb + lp)
-                    child = p.node[0].get(k)
+                    child = children.get(k)
                     if child is not None and p.pb > _NEG:  # with a blank in between: a double letter
                         key = text + vocab[k]
                         q = nxt.get(key)
@@ -260,7 +264,7 @@ class BeamCtcDecoder:
                         else:
                             q.pnb = _lse(q.pnb, p.pb + lp)
                 else:
-                    child = p.node[0].get(k)
+                    child = children.get(k)
                     if child is None:
                         continue  # no lexicon word goes on this way
                     key = text + vocab[k]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gzip
+from array import array
 from collections import ChainMap
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from cosystream.decoding.lm import NgramLm
 
 HOMOPHONES = 3  # words kept per spelling (the likeliest by unigram): the language model tells them apart
+_NO_CHILDREN: Mapping[int, list] = MappingProxyType({})  # a leaf's (one, read-only, for every leaf)
 
 
 def read_spellings(path: str | Path) -> dict[str, str]:
@@ -37,6 +40,12 @@ class Lexicon:
 
     Node: ``[children, words, lookahead, guess]``: ``words`` a tuple (or None), ``lookahead`` the best unigram
     ln P of the words below (0 at the root), ``guess`` that word (shown for a word still being spelled).
+
+    The trie is held in flat arrays, nodes numbered breadth first (a node's children are consecutive); a
+    node's list is made when its parent's children are first asked (:meth:`children`), so only the nodes a
+    search has reached exist as Python objects: until then ``children`` is the node's number. The default
+    model's 168,000 nodes took 45 MB as lists and dicts; the arrays take 4 MB (docs/PERFORMANCE.md, "The
+    decoder's data held compactly").
     """
 
     def __init__(
@@ -49,39 +58,94 @@ class Lexicon:
     ) -> None:
         self.ids = {ch: i for i, ch in enumerate(vocabulary) if i > 0 and ch != " "}
         self.spelled = spellings is None  # words are spelled by their own letters
-        self.root: list = [{}, None, 0.0, None]
-        self.size = 0
-        self.words: Mapping[str, str] = {}  # word -> its spelling, for every word in the trie
+        self._vocabulary = list(vocabulary)
+        self._homophones = homophones
         unigram = lm.unigram if lm is not None else (lambda w: 0.0)
+        # The trie as a dict per node first (children in the order words first reach them), then numbered
+        # breadth first into the arrays.
+        edges: list[dict[int, int]] = [{}]
+        ending: dict[int, list[str]] = {}
         for w in words:
             spelling = w if spellings is None else spellings.get(w)
             if not w or not spelling or any(ch not in self.ids for ch in spelling):
                 continue
-            self.words[w] = spelling
-            node = self.root
+            node = 0
             for ch in spelling:
-                node = node[0].setdefault(self.ids[ch], [{}, None, 0.0, None])
-            if node[1] is None:
-                node[1] = (w,)
-            elif w not in node[1]:
-                node[1] = (*node[1], w)
-        self._settle(self.root, unigram, homophones, 0)
+                token = self.ids[ch]
+                child = edges[node].get(token)
+                if child is None:
+                    child = edges[node][token] = len(edges)
+                    edges.append({})
+                node = child
+            here = ending.setdefault(node, [])
+            if w not in here:
+                here.append(w)
+        numbered = [0]  # breadth first: node i's children are numbered first[i] to first[i + 1]
+        self._token = array("B", [0])
+        self._first = first = array("i")
+        for node in numbered:
+            first.append(len(numbered))
+            numbered.extend(edges[node].values())
+            self._token.extend(edges[node])
+        first.append(len(numbered))
+        del edges
+        # Each node's words, likeliest first (homophones past the first ``homophones`` are kept for
+        # :attr:`words` only), and bottom up the best word below it: its own best, else its children's, the
+        # first of equals.
+        self._words: list[str] = []
+        self._at = at = array("i", [0])  # node i's words are _words[at[i]:at[i + 1]]
+        best = array("d", bytes(8 * len(numbered)))
+        self._guess = guess = array("i", [-1]) * len(numbered)  # an index into _words, -1: none
+        self.size = 0
+        for i, node in enumerate(numbered):
+            here = ending.get(node)
+            if here is not None:
+                ranked = sorted((-unigram(w), w) for w in here)
+                best[i], guess[i] = -ranked[0][0], len(self._words)
+                self._words.extend(w for _, w in ranked)
+                self.size += min(len(ranked), homophones)  # the words it can recognize
+            else:
+                best[i] = -1e9
+            at.append(len(self._words))
+        for i in range(len(numbered) - 1, -1, -1):
+            for child in range(first[i], first[i + 1]):
+                if best[child] > best[i]:
+                    best[i], guess[i] = best[child], guess[child]
+        best[0] = 0.0
+        self._lookahead = best
+        self._spellings: dict[str, str] | None = None
+        self.root: list = self._node(0)
+        self.children(self.root)
 
-    def _settle(self, node: list, unigram, homophones: int, depth: int) -> tuple[float, str | None]:
-        """Rank each node's homophones and store the best reachable word and its unigram ln P below it."""
-        best, guess = -1e9, None
-        if node[1] is not None:
-            ranked = sorted((-unigram(w), w) for w in node[1])
-            node[1] = tuple(w for _, w in ranked[:homophones])
-            self.size += len(node[1])  # the words it can recognize
-            best, guess = -ranked[0][0], ranked[0][1]
-        for child in node[0].values():
-            score, word = self._settle(child, unigram, homophones, depth + 1)
-            if score > best:
-                best, guess = score, word
-        node[2] = best if depth else 0.0
-        node[3] = guess
-        return best, guess
+    def _node(self, i: int) -> list:
+        kept = self._words[self._at[i] : min(self._at[i + 1], self._at[i] + self._homophones)]
+        guess = self._guess[i]
+        return [i, tuple(kept) or None, self._lookahead[i], self._words[guess] if guess >= 0 else None]
+
+    def children(self, node: list) -> Mapping[int, list]:
+        """``node``'s children by token, made the first time they are asked."""
+        kids = node[0]
+        if kids.__class__ is int:
+            first = self._first
+            token = self._token
+            kids = {token[j]: self._node(j) for j in range(first[kids], first[kids + 1])} or _NO_CHILDREN
+            node[0] = kids  # (two threads at once: both make equal ones, and either is kept)
+        return kids
+
+    @property
+    def words(self) -> Mapping[str, str]:
+        """Every word in the trie -> its spelling; made the first time it is asked (phrase boosting asks)."""
+        if self._spellings is None:
+            vocabulary, token, first, at = self._vocabulary, self._token, self._first, self._at
+            spelled = [""] * len(token)
+            spellings: dict[str, str] = {}
+            for i in range(len(token)):
+                for child in range(first[i], first[i + 1]):
+                    spelled[child] = spelled[i] + vocabulary[token[child]]
+                for w in self._words[at[i] : at[i + 1]]:
+                    spellings[w] = spelled[i]
+            self._spellings = spellings
+        return self._spellings
 
     def extended(
         self, new: dict[str, str], lookahead: dict[str, tuple[float, float]], spelling_of: Callable[[str], str]
@@ -93,8 +157,8 @@ class Lexicon:
         while it is spelled. Only the nodes on those paths are copied; every other node is shared with this
         lexicon, which is unchanged."""
         other = object.__new__(Lexicon)
-        other.ids, other.spelled = self.ids, self.spelled
-        other.words = ChainMap(new, self.words)
+        other.__dict__.update(self.__dict__)  # (the arrays are shared: a node not on a path is made from them)
+        other._spellings = ChainMap(new, self.words)
         other.size = self.size + len(new)
         other.root = root = [dict(self.root[0]), *self.root[1:]]
         copied = {id(root)}
@@ -109,7 +173,7 @@ class Lexicon:
                 if child is None:
                     child = [{}, None, -1e9, None]
                 elif id(child) not in copied:
-                    child = [dict(child[0]), *child[1:]]
+                    child = [dict(self.children(child)), *child[1:]]
                 copied.add(id(child))
                 node[0][token] = child
                 if score > child[2]:
