@@ -19,15 +19,19 @@ voices; the sentences come from Debian's fortune files, fetched with ``apt-get d
         --set ast16=.cache/accuracy/asterisk-prompts-16k:odd --set ast8=.cache/accuracy/asterisk-prompts-8k:odd
 
 (the Asterisk prompts: ``python -m benchmarks.accuracy --prompts`` fetches them.) A search named
-``python@REV`` is the Python search as it was at git revision ``REV`` (its ``cosystream/decoding/beam.py``
-on this tree's lexicon, language model and settings), to measure a change to it side by side:
-``--searches python@HEAD~1,python``.
+``python@REV`` is the Python search as it was at git revision ``REV`` (its ``cosystream/decoding/beam.py``,
+``lexicon.py`` and ``lm.py``, the lexicon and language model read by that code, on this tree's settings), to
+measure a change to it side by side: ``--searches python@HEAD~1,python``; each search's loading time is
+printed. The searches share one process and its garbage collector: a full collection walks every search's
+objects (and torch's) and is timed on whichever search triggered it; ``--no-gc`` decodes with the collector
+off, to compare the searches' own work.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import random
 import subprocess
@@ -44,6 +48,7 @@ from cosystream.app.evaluate import edit_distance, eval_runner
 from cosystream.app.transcribe import write_wav
 from cosystream.decoding.beam import BeamConfig
 from cosystream.decoding.config import DecoderConfig, DecoderFactory
+from cosystream.frames import FRAME_MS
 from cosystream.models import load_model
 
 ESPEAK_SEED = 12345  # the voices' draw
@@ -81,14 +86,25 @@ def fetch_espeak_set(cache: Path) -> Path:
     return target
 
 
-def search_at(rev: str, decoder):
-    """The Python search as of git revision ``rev``, on ``decoder``'s vocabulary, lexicon, LM and config."""
-    path = "cosystream/decoding/beam.py"
+def module_at(rev: str, path: str) -> types.ModuleType:
+    """The module at ``path`` as of git revision ``rev`` (its imports are this tree's)."""
     source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType(f"_beam_at_{len(sys.modules)}")
+    module = types.ModuleType(f"_{Path(path).stem}_at_{len(sys.modules)}")
     sys.modules[module.__name__] = module  # (dataclasses look their module up)
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
-    return module.BeamCtcDecoder(decoder._vocab, decoder.lm, decoder.lexicon, decoder.config, decoder.frame_ms)
+    return module
+
+
+def search_at(rev: str, config: DecoderConfig, vocabulary: list[str]):
+    """The Python search as of git revision ``rev``: its beam search on its lexicon and language model, read
+    by its code, with this tree's ``config``."""
+    lm_code = module_at(rev, "cosystream/decoding/lm.py")
+    lexicon_code = module_at(rev, "cosystream/decoding/lexicon.py")
+    beam_code = module_at(rev, "cosystream/decoding/beam.py")
+    lm = lm_code.NgramLm.load(config.lm_path)
+    spellings = lexicon_code.read_spellings(config.lexicon_path) if config.lexicon_path else None
+    lexicon = lexicon_code.Lexicon.from_lm(lm, vocabulary, spellings)
+    return beam_code.BeamCtcDecoder(vocabulary, lm, lexicon, config.beam, FRAME_MS)
 
 
 def decode_eval(decoder, chunks) -> tuple[str, float]:
@@ -131,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--word-bonus", type=float, default=defaults.beta)
     parser.add_argument("--push-frames", type=int, default=2, help="frames a push in the stream timing")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--no-gc",
+        action="store_true",
+        help="decode with the garbage collector off, so that a collection one search triggers (over every "
+        "search's objects, and torch's) is not timed on another",
+    )
     args = parser.parse_args(argv)
     sets = list(args.sets)
     if args.espeak:
@@ -144,19 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     configs = {s: DecoderConfig("beam", beam=beam, search=s.split("@")[0]).resolve(args.model) for s in searches}
     model = load_model(args.model)
     runner = eval_runner(model, next(iter(configs.values())).top_k)
-    factories = {}
+    decoders = {}
     for search, config in configs.items():
         started = time.perf_counter()
-        factories[search] = DecoderFactory(config, model.vocabulary)
-        print(f"{search}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    decoders = {search: factory() for search, factory in factories.items()}
-    for search in searches:
         if "@" in search:
-            decoders[search] = search_at(search.split("@", 1)[1], decoders[search])
+            decoders[search] = search_at(search.split("@", 1)[1], config, model.vocabulary)
+        else:
+            decoders[search] = DecoderFactory(config, model.vocabulary)()
+        print(f"{search}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
     rows = []
     for name, path, half in sets:
         outputs = model_outputs(runner, path, half)
+        if args.no_gc:
+            gc.collect()
+            gc.disable()
         stats = {
             s: dict.fromkeys(("word_errors", "char_errors", "interims", "stream_final_differs"), 0)
             for s in searches

@@ -114,22 +114,21 @@ class Lexicon:
         best[0] = 0.0
         self._lookahead = best
         self._spellings: dict[str, str] | None = None
-        self.root: list = self._node(0)
+        self.root: list = [0, None, 0.0, self._words[guess[0]] if guess[0] >= 0 else None]  # (no word is "")
         self.children(self.root)
-
-    def _node(self, i: int) -> list:
-        kept = self._words[self._at[i] : min(self._at[i + 1], self._at[i] + self._homophones)]
-        guess = self._guess[i]
-        return [i, tuple(kept) or None, self._lookahead[i], self._words[guess] if guess >= 0 else None]
 
     def children(self, node: list) -> Mapping[int, list]:
         """``node``'s children by token, made the first time they are asked."""
         kids = node[0]
         if kids.__class__ is int:
-            first = self._first
-            token = self._token
-            kids = {token[j]: self._node(j) for j in range(first[kids], first[kids + 1])} or _NO_CHILDREN
-            node[0] = kids  # (two threads at once: both make equal ones, and either is kept)
+            words, at, guess, lookahead, token = self._words, self._at, self._guess, self._lookahead, self._token
+            homophones = self._homophones
+            made = {}
+            for j in range(self._first[kids], self._first[kids + 1]):
+                start, end = at[j], at[j + 1]
+                kept = tuple(words[start : min(end, start + homophones)]) if end > start else None
+                made[token[j]] = [j, kept, lookahead[j], words[guess[j]]]  # (a word below: it has a guess)
+            kids = node[0] = made or _NO_CHILDREN  # (two threads at once: both make equal ones, either is kept)
         return kids
 
     @property
