@@ -44,7 +44,7 @@ class Lexicon:
     The trie is held in flat arrays, nodes numbered breadth first (a node's children are consecutive); a
     node's list is made when its parent's children are first asked (:meth:`children`), so only the nodes a
     search has reached exist as Python objects: until then ``children`` is the node's number. The default
-    model's 168,000 nodes took 45 MB as lists and dicts; the arrays take 4 MB (docs/PERFORMANCE.md, "The
+    model's 168,130 nodes took 42 MB as lists and dicts; the arrays take 4.4 MB (docs/PERFORMANCE.md, "The
     decoder's data held compactly").
     """
 

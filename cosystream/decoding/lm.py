@@ -5,12 +5,12 @@ any such model (optionally gzipped) can be plugged in. Probabilities are kept as
 ``score(state, word)`` returns ``(log P(word | state), next_state)``, where a state is the tuple of the
 last ``order - 1`` word ids; unknown words score ``<unk>`` (or a floor when the model has none).
 
-The n-grams are held as a trie in flat arrays (as KenLM's and SRILM's binary formats hold them), not as
+The n-grams are held as a trie in flat arrays (as KenLM's ``trie`` binary format holds them), not as
 Python objects: the unigrams are indexed by word id; the n-grams of each higher order are sorted by their
 context's index in the order below, then by word, so a context's continuations are one contiguous run
-found by bisection. The default model's 390,000 n-grams take 8 MB so, where tuple-keyed dicts took 86 MB
-(docs/PERFORMANCE.md, "The decoder's data held compactly"). Values are the float64 the text gives, times
-ln 10, so scores are exactly what the ARPA says.
+found by bisection. The default model's 391,713 n-grams take 8 MB this way; as dicts keyed by tuples of ids
+they took 58 MB (docs/PERFORMANCE.md, "The decoder's data held compactly"). Values are the float64 the text
+gives, times ln 10, so scores are exactly what the ARPA says.
 """
 
 from __future__ import annotations
