@@ -15,7 +15,8 @@ The layers, top to bottom (a layer imports only the layers listed for it, never 
     api       cosystream.v1: the generated wire API and its client helpers
 
 No module of the server layer or below it (but the engine, runtime and models) loads torch, checked at import
-time in a subprocess as well as in the source: a frontend process never pays for torch (``PROCESSES``).
+time in a subprocess as well as in the source: a frontend process never pays for torch (``FRONTEND_MODULES``),
+nor does ``serve``'s supervisor, which only reads the engine's configuration (``SUPERVISOR_MODULES``).
 No layer below the server imports gRPC or protobuf (``google.*``), nor the generated wire API: a session
 knows nothing of its transport; the server maps its plain results to messages. Checked in the source and,
 for the frontend's layers, at import time in a subprocess that refuses those packages.
@@ -62,6 +63,22 @@ FRONTEND_MODULES = ("cosystream.app.frontend_process", "cosystream.engine.ipc", 
 BELOW_THE_SERVER = ("cosystream.frontend", "cosystream.audio", "cosystream.decoding", "cosystream.secondpass")
 FRONTEND_PACKAGES = ("cosystream.server", *BELOW_THE_SERVER)
 NEVER_IN_A_FRONTEND = ("torch",)
+# What ``cosystream serve``'s supervisor (the CLI process) imports before it spawns the engine: its entry point,
+# the serve command and the engine's configuration, read without the engine (``--compile-only`` and ``--naive``
+# run a model in this process and may load torch; they import it inside the functions that do).
+SUPERVISOR_MODULES = (
+    "cosystream.app.cli",
+    "cosystream.app.supervisor",
+    "cosystream.app.commands.serve",
+    "cosystream.app.commands.serve_config",
+    "cosystream.engine.config",
+    "cosystream.engine.launch",
+    "cosystream.engine.adaptive",
+    "cosystream.runtime.settings",
+    "cosystream.model_files",
+    "cosystream.metrics",
+    "cosystream.audio.endpointing",
+)
 NEVER_BELOW_THE_SERVER = ("torch", "grpc", "google")
 _IMPORT_PROBE = """
 import importlib, pkgutil, sys, traceback
@@ -72,7 +89,7 @@ class Refuse:
             raise ImportError(f"{name} loaded")
 sys.meta_path.insert(0, Refuse())
 names = [name for name in sys.argv[2].split(",") if name]
-for package in sys.argv[3].split(","):
+for package in filter(None, sys.argv[3].split(",")):
     names += [info.name for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")]
 for name in names:
     try:
@@ -180,12 +197,14 @@ def check(root: Path) -> list[str]:
 
 
 def process_imports(root: Path) -> list[str]:
-    """Import every module a frontend process runs, in a fresh interpreter refusing torch, and every module of
-    the layers below the server in one refusing torch, gRPC and protobuf too: each one that would load them
-    (an import inside a function counts once it runs: this checks only import time)."""
+    """Import every module a frontend process runs, in a fresh interpreter refusing torch, every module of
+    the layers below the server in one refusing torch, gRPC and protobuf too, and what ``serve``'s supervisor
+    imports in one refusing torch: each one that would load them (an import inside a function counts once it
+    runs: this checks only import time; tests/test_faults.py checks a serving supervisor's memory map)."""
     probes = (
         ("a frontend process would load torch", NEVER_IN_A_FRONTEND, FRONTEND_MODULES, FRONTEND_PACKAGES),
         ("a module below the server would load its transport", NEVER_BELOW_THE_SERVER, (), BELOW_THE_SERVER),
+        ("the supervisor would load torch", NEVER_IN_A_FRONTEND, SUPERVISOR_MODULES, ()),
     )
     problems: list[str] = []
     for what, refused, modules, packages in probes:
@@ -194,7 +213,7 @@ def process_imports(root: Path) -> list[str]:
             [sys.executable, "-c", _IMPORT_PROBE, *argv], cwd=root, capture_output=True, text=True, timeout=120
         )
         if result.returncode != 0:
-            return [f"importing a frontend's modules failed: {result.stderr.strip().splitlines()[-1:]}"]
+            return [f"the import probe failed ({what}): {result.stderr.strip().splitlines()[-1:]}"]
         problems += [f"{what}: {line}" for line in result.stdout.splitlines()]
     return problems
 

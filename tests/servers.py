@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.v1 import cosystream_pb2 as pb

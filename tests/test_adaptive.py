@@ -11,7 +11,8 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig, AdaptivePolicy
-from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.config import EngineConfig
+from cosystream.engine.core import EngineCore
 from cosystream.models import FRAME_SAMPLES
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
 from cosystream.priority import Priority
@@ -272,7 +273,7 @@ def test_boosted_streams_moved_to_light_are_boosted_there_without_stalling_the_o
     import shutil
     import threading
 
-    from cosystream.models.loading import embedded_model
+    from cosystream.model_files import embedded_model
 
     light = tmp_path / "light"
     shutil.copytree(embedded_model("light"), light)

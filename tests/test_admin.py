@@ -23,9 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cosystream.engine import ipc
-from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.config import EngineConfig
+from cosystream.engine.core import EngineCore
+from cosystream.model_files import DEFAULT_MODEL_DIR, model_name
 from cosystream.models import FRAME_SAMPLES, content_version, load_model
-from cosystream.models.loading import DEFAULT_MODEL_DIR, model_name
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 from tests.servers import HeldStream, Served

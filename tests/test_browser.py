@@ -30,7 +30,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig

@@ -26,7 +26,7 @@ import pytest
 
 from clients import caption
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from cosystream.v1 import cosystream_pb2 as pb
 from tests.servers import CuttingProxy
 from tests.speech import needs_espeak, silence, speech

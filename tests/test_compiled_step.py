@@ -134,7 +134,8 @@ def test_the_cache_fingerprint_covers_weights_and_config(model):
 def test_the_engine_uses_cached_steps_by_default_and_compiles_nothing(model, tmp_path):
     """The engine's default: compiled packages from the cache, none compiled at start (an empty cache: every
     key eager, nothing written); compile=False does not even look."""
-    from cosystream.engine.core import EngineConfig, EngineCore
+    from cosystream.engine.config import EngineConfig
+    from cosystream.engine.core import EngineCore
 
     assert EngineConfig().compile and EngineConfig().compile_budget_s == 0
     config = EngineConfig(max_sessions=2, compile_cache_dir=str(tmp_path))

@@ -105,24 +105,36 @@ def test_an_engine_that_dies_ends_only_its_own_sessions(served):
 
 
 def test_devices_and_engines_resolve_to_one_device_per_engine_process():
+    """Without torch (serve's supervisor never loads it): CUDA devices are counted only when one is named, and
+    ``auto`` is left to each engine."""
     import torch
 
-    from cosystream.engine.process import resolve_devices
+    from cosystream.engine.config import cuda_device_count, resolve_devices
 
-    assert resolve_devices("cpu", 3) == ["cpu", "cpu", "cpu"]
-    assert resolve_devices("auto") == ["cuda:0" if torch.cuda.is_available() else "cpu"]
+    def uncounted() -> int:
+        raise AssertionError("CUDA devices counted for a device that names none")
+
+    def two() -> int:
+        return 2
+
+    assert resolve_devices("cpu", 3, uncounted) == ["cpu", "cpu", "cpu"]
+    assert resolve_devices("auto", 2, uncounted) == ["auto", "auto"]
     with pytest.raises(ValueError, match="--engines must be >= 1"):
-        resolve_devices("cpu", 0)
-    if not torch.cuda.is_available():
-        for name in ("cuda:all", "cuda:0,cuda:1", "0,1"):
-            with pytest.raises(ValueError, match="no CUDA device is available"):
-                resolve_devices(name)
-    else:
-        count = torch.cuda.device_count()
-        assert resolve_devices("cuda:all") == [f"cuda:{i}" for i in range(count)]
-        assert resolve_devices("0,0") == ["cuda:0", "cuda:0"]
-        with pytest.raises(ValueError, match="does not go with it"):
-            resolve_devices("cuda:all", 2)
+        resolve_devices("cpu", 0, uncounted)
+    assert resolve_devices("cuda:all", cuda_count=two) == ["cuda:0", "cuda:1"]
+    assert resolve_devices("0,0", cuda_count=two) == ["cuda:0", "cuda:0"]
+    assert resolve_devices("cuda", 2, two) == ["cuda:0", "cuda:0"]
+    with pytest.raises(ValueError, match="does not go with it"):
+        resolve_devices("cuda:all", 2, two)
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0..cuda:1"):
+        resolve_devices("cuda:0,cuda:2", cuda_count=two)
+    with pytest.raises(ValueError, match="--device gpu: not a device"):
+        resolve_devices("gpu", cuda_count=two)
+    for name in ("cuda:all", "cuda:0,cuda:1", "0,1", "cuda"):
+        with pytest.raises(ValueError, match="no CUDA device is available"):
+            resolve_devices(name, cuda_count=lambda: 0)
+    # The count is torch's, taken in an interpreter of its own.
+    assert cuda_device_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def test_serve_refuses_engines_it_cannot_start():
@@ -172,8 +184,8 @@ def test_a_session_refused_by_a_full_engine_opens_on_another_with_its_first_fram
     import asyncio
     import dataclasses
 
-    from cosystream.engine.core import EngineConfig
-    from cosystream.engine.process import EngineProcessConfig, start_engine
+    from cosystream.engine.config import EngineConfig, EngineProcessConfig
+    from cosystream.engine.launch import start_engine
     from cosystream.frontend.engine_pool import ID_STRIDE, EnginePool
     from cosystream.models import FRAME_SAMPLES
     from cosystream.priority import Priority
@@ -253,7 +265,8 @@ def test_a_frontend_gone_before_its_hello_leaves_the_engine_serving(tmp_path):
     import asyncio
     from multiprocessing.connection import Client
 
-    from cosystream.engine.process import EngineProcessConfig, start_engine
+    from cosystream.engine.config import EngineProcessConfig
+    from cosystream.engine.launch import start_engine
     from cosystream.frontend.engine_client import EngineClient
     from cosystream.models import FRAME_SAMPLES
     from cosystream.priority import Priority

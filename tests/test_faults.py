@@ -278,8 +278,8 @@ def test_sigkill_of_serve_leaves_no_process_behind():
 def test_a_burst_of_sigterms_stops_the_engine(tmp_path):
     """An engine whose parent dies gets one SIGTERM per thread of the parent that it is handed to (Linux's
     parent-death signal): it stops once, however many arrive, and never deadlocks in its own handler."""
-    from cosystream.engine.core import EngineConfig
-    from cosystream.engine.process import EngineProcessConfig, start_engine
+    from cosystream.engine.config import EngineConfig, EngineProcessConfig
+    from cosystream.engine.launch import start_engine
 
     config = EngineProcessConfig(
         address=str(tmp_path / "engine.sock"), authkey=b"k" * 16, engine=EngineConfig(max_sessions=1), device="cpu"
@@ -301,14 +301,15 @@ def test_a_burst_of_sigterms_stops_the_engine(tmp_path):
 
 
 def test_every_frontend_is_a_process_of_its_own_without_torch():
-    """Frontend 0 too: the supervisor only watches. No frontend maps torch's library, and frontend 0, killed,
-    is respawned on the same port like any other."""
+    """Frontend 0 too: the supervisor only watches. Neither a frontend nor the supervisor maps torch's library
+    (the supervisor not even after it respawned one), and frontend 0, killed, is respawned on the same port
+    like any other."""
     with Served("--frontends", "2") as served:
         served.wait(lambda: served.health() == SERVING, 60, "SERVING")
         pids = served.pids()
         assert {"cs-supervisor", "cs-engine", "cs-frontend-0", "cs-frontend-1"} <= set(pids), pids
         assert pids["cs-supervisor"] == served.process.pid
-        for name in ("cs-frontend-0", "cs-frontend-1"):
+        for name in ("cs-supervisor", "cs-frontend-0", "cs-frontend-1"):
             maps = Path(f"/proc/{pids[name]}/maps").read_text()
             assert "libtorch" not in maps, f"{name} loaded torch"
         assert "libtorch" in Path(f"/proc/{pids['cs-engine']}/maps").read_text()  # (the check can fail)
@@ -321,6 +322,9 @@ def test_every_frontend_is_a_process_of_its_own_without_torch():
             client = Client(served.stub(), session(talk(2.0), pace_s=0))
             assert client.result() == grpc.StatusCode.OK, client.details
             assert client.finals
+        assert "libtorch" not in Path(f"/proc/{served.process.pid}/maps").read_text(), (
+            "the supervisor loaded torch"
+        )
 
 
 def test_a_dead_frontend_is_respawned_and_counted_live():

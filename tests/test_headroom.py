@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cosystream.engine import ipc
-from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.config import EngineConfig
+from cosystream.engine.core import EngineCore
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, Headroom
 from cosystream.priority import Priority
 from cosystream.server.retry import retry_after_s
@@ -291,7 +292,7 @@ def test_the_loop_lag_is_the_median_lateness_of_the_last_two_seconds():
 
 def test_a_frontend_behind_refuses_realtime_with_a_retry_delay_and_serves_batch():
     from cosystream.app.local import LocalServer
-    from cosystream.engine.core import EngineConfig as Engine
+    from cosystream.engine.config import EngineConfig as Engine
     from cosystream.frontend.host import StreamOptions
     from cosystream.server.frontend import FrontendConfig
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from cosystream.frontend.host import StreamOptions
 from cosystream.frontend.quota import NONCE_BYTES, QuotaExceeded, TokenSessions
 from cosystream.server.frontend import FrontendConfig

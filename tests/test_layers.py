@@ -65,3 +65,13 @@ def test_a_frontend_that_would_load_torch_fails(tmp_path):
     result = check(root)
     assert result.returncode == 1
     assert "a frontend process would load torch: cosystream.audio.vad" in result.stdout, result.stdout
+
+
+def test_a_supervisor_that_would_load_torch_fails(tmp_path):
+    """``serve``'s supervisor reads the engine's configuration and spawns it, without torch: an import of the
+    engine's own module where the spawn is made is caught."""
+    root = copy_tree(tmp_path)
+    append(root / "cosystream/engine/launch.py", "from cosystream.engine.process import engine_main  # noqa")
+    result = check(root)
+    assert result.returncode == 1
+    assert "the supervisor would load torch: cosystream.engine.launch" in result.stdout, result.stdout

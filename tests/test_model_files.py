@@ -68,7 +68,7 @@ def test_a_directory_without_a_config_is_refused_naming_it(tmp_path):
 
 
 def test_the_embedded_models_load():
-    from cosystream.models.loading import EMBEDDED_MODELS
+    from cosystream.model_files import EMBEDDED_MODELS
 
     for directory in EMBEDDED_MODELS.values():
         assert load_model(directory).config.vocabulary

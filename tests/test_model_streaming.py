@@ -174,7 +174,7 @@ def test_unknown_architecture_is_refused(tmp_path, model):
 @pytest.mark.parametrize("chunks", [[1], [1, 4, 2, 16, 3, 1, 7]], ids=["T1", "uneven"])
 def test_the_light_model_streams_like_offline(pcm, chunks):
     """The packaged light model (``--model embedded:light``) keeps the contract too."""
-    from cosystream.models.loading import EMBEDDED_MODELS
+    from cosystream.model_files import EMBEDDED_MODELS
 
     light = load_model(EMBEDDED_MODELS["light"]).eval()
     assert len(light.blocks) == 5 and light.vocabulary == load_model().vocabulary

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from cosystream.engine import ipc
-from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.config import EngineConfig
+from cosystream.engine.core import EngineCore
 from cosystream.engine.scheduler import Scheduler, SchedulerConfig
+from cosystream.model_files import DEFAULT_MODEL_DIR, model_name
 from cosystream.models import FRAME_SAMPLES, content_version, load_model, save_model
 from cosystream.models.conv_ctc import ConvCtcConfig, ConvCtcModel
-from cosystream.models.loading import DEFAULT_MODEL_DIR, model_name
 from cosystream.priority import Priority
 from cosystream.server.http.common import native_model
 from cosystream.server.http.errors import ApiError
@@ -119,7 +120,7 @@ def test_each_session_is_stepped_by_its_own_model(letters_dir):
 def test_two_models_replay_their_own_cuda_graphs(letters_dir):
     """On CUDA each model has its graphs: an engine of two models replaying them equals the eager one."""
     from cosystream.engine.process import use_device
-    from cosystream.runtime.runner import GraphMode
+    from cosystream.runtime.settings import GraphMode
 
     device = torch.device("cuda", 0)
     use_device(device)

@@ -14,7 +14,7 @@ import pytest
 import websockets
 
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from cosystream.frontend.host import StreamOptions
 from cosystream.server.frontend import FrontendConfig
 from cosystream.server.http import HttpConfig

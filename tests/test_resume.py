@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from cosystream.frontend.host import StreamOptions
 from cosystream.frontend.snapshot import Snapshot, SnapshotError
 from cosystream.server.frontend import FrontendConfig

@@ -61,7 +61,7 @@ def test_the_slab_takes_what_the_device_memory_holds_beside_a_margin():
 
 
 def test_a_cuda_engine_asked_for_more_slots_than_fit_gets_fewer_and_says_so(model, caplog):
-    from cosystream.engine.core import EngineConfig
+    from cosystream.engine.config import EngineConfig
     from cosystream.engine.process import fit_slab
 
     per_slot = 3 * slot_bytes(model.cache_specs())  # two models' slabs, and room for a model loaded beside
@@ -269,7 +269,8 @@ def test_no_capture_after_start_up(model):
 
 def test_engine_drops_frames_past_a_full_queue_instead_of_failing(model):
     from cosystream.engine import ipc
-    from cosystream.engine.core import EngineConfig, EngineCore
+    from cosystream.engine.config import EngineConfig
+    from cosystream.engine.core import EngineCore
 
     config = EngineConfig(max_sessions=2, max_batch=2, queue_frames=16, realtime_batch_window_s=0)
     core = EngineCore(model, config, torch.device("cpu"))

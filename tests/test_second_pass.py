@@ -470,7 +470,7 @@ def server():
     needs_whisper()
     from cosystream.app.local import LocalServer
     from cosystream.decoding.phrases import normalize
-    from cosystream.engine.core import EngineConfig
+    from cosystream.engine.config import EngineConfig
     from cosystream.frontend.host import StreamOptions
     from cosystream.secondpass.worker import SecondPassConfig
     from cosystream.server.frontend import FrontendConfig

@@ -34,7 +34,7 @@ from clients.telephony.rtp import JitterBuffer, PortPool, RtpPacket, parse_rtp
 from clients.telephony.rtp_source import RtpSource, SourceLatch, Verdict
 from clients.telephony.sdp import answer_sdp, negotiate
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from tests.servers import WebhookServer
 from tests.speech import encode, needs_espeak, silence, speech
 

@@ -27,7 +27,7 @@ from clients.telephony.config import LOOPBACK, GatewayConfig, parse_networks
 from clients.telephony.security import AllowList, DigestAuth, Verdict, digest_response, parse_credentials
 from clients.telephony_gateway import config_from_args, parse_args
 from cosystream.app.local import LocalServer
-from cosystream.engine.core import EngineConfig
+from cosystream.engine.config import EngineConfig
 from tests.speech import needs_espeak, silence, speech
 from tests.test_telephony import (
     GATEWAY,

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cosystream.decoding.config import DecoderConfig
-from cosystream.engine.core import EngineConfig
-from cosystream.engine.process import EngineHandle, EngineProcessConfig, start_engine
-from cosystream.models.loading import model_sources
+from cosystream.engine.config import EngineConfig, EngineProcessConfig
+from cosystream.engine.launch import EngineHandle, start_engine
+from cosystream.model_files import model_sources
 from cosystream.server.frontend import Frontend, FrontendConfig
 
 

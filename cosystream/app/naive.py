@@ -18,7 +18,7 @@ from cosystream.engine.process import model_info, server_info
 from cosystream.frontend.engine_client import ModelLoadError, SessionSink
 from cosystream.models import ModelSource, load_model
 from cosystream.priority import Priority
-from cosystream.runtime.runner import GraphMode
+from cosystream.runtime.settings import GraphMode
 
 
 class NaiveEngine:

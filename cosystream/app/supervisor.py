@@ -1,7 +1,8 @@
 """``cosystream serve``: the engine process, N frontends on one port, metrics, restarts, and a graceful drain.
 
 Every frontend is a spawned process of its own (``frontend_process.py``), which never imports torch; this
-one only watches (it imports the engine's configuration). Frontend 0 is spawned beside the engine and says
+one only watches, and never imports torch either (the engine's configuration and its spawn are in
+``engine/config.py`` and ``engine/launch.py``; ``--naive`` and ``--compile-only`` run a model here and do). Frontend 0 is spawned beside the engine and says
 which ports it bound (so ``--port 0`` works), or why it could not serve (a tokens or TLS file that changed
 since the CLI read it, a second-pass model that cannot load: one line, exit 1); frontends 1..N-1 are then
 spawned on the same ports, shared through SO_REUSEPORT. ``--naive`` alone serves from this process.
@@ -41,7 +42,8 @@ from multiprocessing.connection import Connection
 
 from cosystream.app.banner import startup_lines
 from cosystream.app.frontend_process import frontend_main
-from cosystream.engine.process import EngineHandle, EngineProcessConfig, EngineStartError, start_engine
+from cosystream.engine.config import EngineProcessConfig
+from cosystream.engine.launch import EngineHandle, EngineStartError, start_engine
 from cosystream.frontend.quota import TokenSessions
 from cosystream.metrics import process_exited, serve_metrics
 from cosystream.prctl import set_process_name

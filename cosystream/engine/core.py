@@ -34,10 +34,9 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.adaptive import AdaptiveConfig, AdaptivePolicy, Switch
+from cosystream.engine.config import EngineConfig
 from cosystream.engine.frame_queue import FrameQueue
 from cosystream.engine.headroom import (
-    ADMIT_LOAD,
-    OVERLOAD_WINDOW_S,
     RETRY_AFTER_S,
     THIN_INTERIM_MS,
     Degradation,
@@ -45,59 +44,16 @@ from cosystream.engine.headroom import (
     LoadReport,
 )
 from cosystream.engine.scheduler import (
-    BATCH_STEP_BUDGET_S,
-    DEADLINE_S,
-    MAX_SESSIONS,
-    REALTIME_BATCH_WINDOW_S,
     AdmissionError,
     Priority,
     Scheduler,
     SchedulerConfig,
     StepPlan,
 )
-from cosystream.runtime.buckets import FRAME_BUCKETS
-from cosystream.runtime.compiled import COMPILE_BUDGET_S
-from cosystream.runtime.runner import GraphMode, Runner, RunnerConfig, StepResult
+from cosystream.runtime.runner import Runner, RunnerConfig, StepResult
 from cosystream.runtime.slab import StateSlab
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """The engine's settings, built once from the flags; the scheduler's and the runner's configs are made
-    from it (each default is the named constant's, stated once)."""
-
-    max_sessions: int = MAX_SESSIONS
-    max_batch: int | None = None  # rows per step; None: max_sessions
-    frame_buckets: tuple[int, ...] = FRAME_BUCKETS
-    queue_frames: int = 256  # frames a session may have queued in the engine (2.56 s of audio)
-    deadline_s: float = DEADLINE_S
-    batch_step_budget_s: float = BATCH_STEP_BUDGET_S
-    realtime_batch_window_s: float = REALTIME_BATCH_WINDOW_S
-    batch_max_duty: float | None = None  # None: 0.5 on a CPU, where frontends share the cores; 1 on CUDA
-    graph_mode: GraphMode = GraphMode.EAGER
-    top_k: int = 1  # token candidates per frame sent to frontends: what their text decoder reads
-    # CPU: the step compiled ahead of time, one package per (bucket, T) cached on disk (``serve --compile``
-    # fills the cache; by default only cached packages are used, the rest run eager); False: eager.
-    compile: bool = True
-    compile_budget_s: float | None = COMPILE_BUDGET_S  # start-up seconds for keys not in the cache
-    compile_cache_dir: str | None = None  # None: runtime.compiled.default_cache_dir()
-    # New REALTIME sessions refused past this projected load (engine/headroom.py); 0: admission by count only.
-    admit_load: float = ADMIT_LOAD
-    overload_window_s: float = OVERLOAD_WINDOW_S
-
-    def __post_init__(self) -> None:
-        if self.max_batch is None:
-            object.__setattr__(self, "max_batch", self.max_sessions)
-        if self.max_sessions < 1 or self.max_batch < 1:
-            raise ValueError("max_sessions and max_batch must be >= 1")
-        if self.queue_frames < max(self.frame_buckets):
-            raise ValueError("queue_frames must hold at least the largest frame bucket")
-        if not 0 <= self.admit_load <= 4:  # (the projected load is at most 4)
-            raise ValueError(f"--admit-load must be between 0 (off) and 4, got {self.admit_load}")
-        if not 0 <= self.overload_window_s < math.inf:
-            raise ValueError(f"--overload-window-s must be >= 0, got {self.overload_window_s}")
 
 
 class StepObserver(Protocol):

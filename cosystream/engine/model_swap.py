@@ -24,7 +24,7 @@ import torch
 
 from cosystream.engine import ipc
 from cosystream.engine.core import EngineCore
-from cosystream.models.loading import RESERVED_NAMES
+from cosystream.model_files import RESERVED_NAMES
 from cosystream.runtime.runner import Runner
 
 log = logging.getLogger(__name__)

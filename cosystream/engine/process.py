@@ -12,34 +12,35 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
 import torch
 
 from cosystream.engine import ipc
-from cosystream.engine.adaptive import AdaptiveConfig
-from cosystream.engine.core import EngineConfig, EngineCore
+from cosystream.engine.config import EngineConfig, EngineProcessConfig, check_device
+from cosystream.engine.core import EngineCore
 from cosystream.engine.frontends import FrontendConnections
 from cosystream.engine.model_swap import ModelLoader, admin, announce_models
 from cosystream.logs import configure as configure_logs
-from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
-from cosystream.models.loading import (
+from cosystream.model_files import (
     PRECISIONS,
     ModelSource,
+    check_precision,
+    check_served_precision,
     content_version,
     model_sources,
     vocabulary_kind,
 )
+from cosystream.models.contract import FRAME_SAMPLES, output_delay_frames
 from cosystream.prctl import exit_with_parent, set_process_name
-from cosystream.runtime.runner import GraphMode, Runner
+from cosystream.runtime.runner import Runner
+from cosystream.runtime.settings import GraphMode
 from cosystream.runtime.slab import plan_slab, slot_bytes
 
 log = logging.getLogger(__name__)
@@ -49,58 +50,11 @@ METRICS_PERIOD_S = 1.0
 STATS_LOG_PERIOD_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineProcessConfig:
-    address: str
-    authkey: bytes
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    # The models to serve, the first the default (``models.model_sources``); empty: the embedded model.
-    models: tuple[ModelSource, ...] = ()
-    adaptive: AdaptiveConfig | None = None  # models that fall back to lighter ones under load
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    cpu_threads: int = 1
-    log_level: str = "INFO"
-    log_format: str = "text"
-    index: int | None = None  # of several engines (serve --engines, --device cuda:all); None: the only one
-
-    @property
-    def process_name(self) -> str:
-        return "cs-engine" if self.index is None else f"cs-engine-{self.index}"
-
-
-def resolve_devices(name: str, engines: int = 1) -> list[str]:
-    """``--device`` and ``--engines`` as one device name per engine process: ``cuda:all`` is every CUDA
-    device, ``cuda:0,cuda:1`` (or ``cuda:0,1``) a list of them, anything else ``engines`` engines on that device.
-    Raises ValueError (one line) for a device this machine lacks."""
-    if engines < 1:
-        raise ValueError("--engines must be >= 1")
-    if name == "cuda:all":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda:all was asked for, but no CUDA device is available")
-        names = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    elif "," in name:
-        names = [part if part.startswith(("cuda", "cpu")) else f"cuda:{part}" for part in name.split(",")]
-    else:
-        return [str(resolve_device(name))] * engines
-    if engines != 1:
-        raise ValueError(f"--device {name} starts one engine per device: --engines does not go with it")
-    return [str(resolve_device(n)) for n in names]
-
-
 def resolve_device(name: str) -> torch.device:
     """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a device with its index settled (``cuda`` is ``cuda:0``)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name} was asked for, but no CUDA device is available")
-        count = torch.cuda.device_count()
-        index = 0 if device.index is None else device.index
-        if index >= count:
-            raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
-        device = torch.device("cuda", index)
-    return device
+    return torch.device(check_device(name, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0))
 
 
 def use_device(device: torch.device) -> None:
@@ -118,50 +72,6 @@ def use_device(device: torch.device) -> None:
 STARTUP_FAILED = 3
 """The engine process's exit status when it could not start (bad model, no such device, ...), after it said
 why on its status pipe (``EngineHandle.wait_ready`` raises with that reason)."""
-
-
-class EngineStartError(RuntimeError):
-    """The engine process could not start; the message says why, in one line."""
-
-
-@dataclass(slots=True)
-class EngineHandle:
-    """A spawned engine process and the pipe on which it reports ``ready``, or why it failed."""
-
-    process: mp.Process
-    status: Connection
-
-    def wait_ready(self, timeout_s: float) -> bool:
-        """True once the engine is ready; False if it is still starting after ``timeout_s``. Raises
-        :class:`EngineStartError` if it failed or died first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.status.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
-                try:
-                    kind, detail = self.status.recv()
-                except (EOFError, OSError):
-                    kind, detail = "failed", None
-                if kind == "ready":
-                    return True
-                self.process.join(5)
-                raise EngineStartError(detail or f"the engine process exited (exit code {self.process.exitcode})")
-            if not self.process.is_alive():
-                raise EngineStartError(
-                    f"the engine process exited during start-up (exit code {self.process.exitcode})"
-                )
-            if time.monotonic() >= deadline:
-                return False
-
-
-def start_engine(config: EngineProcessConfig) -> EngineHandle:
-    """Spawn the engine process; frontends then connect to ``config.address`` (once it says ``ready``)."""
-    context = mp.get_context("spawn")
-    reader, writer = context.Pipe(duplex=False)
-    name = "cosystream-engine" if config.index is None else f"cosystream-engine-{config.index}"  # (log lines)
-    process = context.Process(target=engine_main, args=(config, writer), name=name)
-    process.start()
-    writer.close()
-    return EngineHandle(process, reader)
 
 
 def describe_error(err: BaseException) -> str:
@@ -237,6 +147,8 @@ def build_core(config: EngineProcessConfig) -> EngineCore:
         engine_config = dataclasses.replace(engine_config, graph_mode=GraphMode.EAGER)
     started = time.perf_counter()
     sources = config.models or model_sources([])
+    for source in sources:
+        check_served_precision(source, device)  # (serve checks it first, but for --device auto)
     models = [load_model(source.path, device=device, precision=source.precision) for source in sources]
     if device.type == "cuda":
         engine_config = fit_slab(engine_config, models, device, *torch.cuda.mem_get_info(device))
@@ -403,7 +315,6 @@ class _Models:
     def _build(self, name: str, path: str, precision: str = "") -> tuple[Runner, ipc.ModelInfo]:
         """The loader's ``build``, in its thread."""
         from cosystream.models import load_model
-        from cosystream.models.loading import check_precision
 
         core, infos = self.core, self.infos
         use_device(core.device)  # (the current CUDA device is per thread)

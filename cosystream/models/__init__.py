@@ -4,17 +4,16 @@
 holding ``config.json``, ``vocabulary.json`` and ``model.safetensors``.
 """
 
-from cosystream.models.contract import FRAME_SAMPLES, CacheSpec, StreamingModel, output_delay_frames
-from cosystream.models.loading import (
+from cosystream.model_files import (
     DEFAULT_MODEL_DIR,
     ModelSource,
     content_version,
-    load_model,
     model_name,
     model_sources,
-    save_model,
     vocabulary_kind,
 )
+from cosystream.models.contract import FRAME_SAMPLES, CacheSpec, StreamingModel, output_delay_frames
+from cosystream.models.loading import load_model, save_model
 
 __all__ = [
     "DEFAULT_MODEL_DIR",

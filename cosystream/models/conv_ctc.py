@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosystream.frames import SAMPLE_RATE_HZ
+from cosystream.model_files import ARCHITECTURE_NAMES
 from cosystream.models.contract import FRAME_SAMPLES, CacheSpec
 from cosystream.models.features import LogMel
 
@@ -86,7 +87,7 @@ class ConvCtcConfig:
     # dilation`` frames past the one it outputs, and delays the output by as much (``output_delay_frames``).
     lookahead_blocks: int = 0
     architecture: str = field(default="conv_ctc")
-    name: str = "conv-ctc"
+    name: str = ARCHITECTURE_NAMES["conv_ctc"]
     language: str = "en-US"
 
     def __post_init__(self) -> None:

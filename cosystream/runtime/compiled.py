@@ -51,13 +51,9 @@ from pathlib import Path
 
 import torch
 
+from cosystream.runtime.settings import COMPILE_BUDGET_S
+
 log = logging.getLogger(__name__)
-
-COMPILE_BUDGET_S = 0.0
-"""Start-up seconds spent compiling keys that are not in the cache (checked between keys, so one key may
-run over it); None: compile every key. By default none: a start uses the packages cached (``serve
---compile`` or ``--compile-only`` made them) and runs the rest eager, so no start waits on a compiler."""
-
 
 CACHE_ENV = "COSYSTREAM_COMPILE_CACHE"
 

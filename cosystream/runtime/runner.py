@@ -13,7 +13,6 @@ computes the same thing, within the streaming tolerance.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,15 +22,11 @@ import torch
 
 from cosystream.models.contract import FRAME_SAMPLES, StreamingModel
 from cosystream.runtime.buckets import FRAME_BUCKETS, batch_buckets
-from cosystream.runtime.compiled import COMPILE_BUDGET_S, CompiledSteps
+from cosystream.runtime.compiled import CompiledSteps
+from cosystream.runtime.settings import COMPILE_BUDGET_S, GraphMode
 from cosystream.runtime.slab import StateSlab
 
 log = logging.getLogger(__name__)
-
-
-class GraphMode(enum.Enum):
-    EAGER = "eager"
-    GRAPHS = "graphs"
 
 
 @dataclass(frozen=True, slots=True)

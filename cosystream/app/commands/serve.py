@@ -92,12 +92,11 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
 
     from cosystream.app.supervisor import RestartPolicy, ServeError, Supervisor
     from cosystream.audio.endpointing import EndpointingConfig
-    from cosystream.engine.core import EngineConfig
-    from cosystream.engine.process import EngineProcessConfig, resolve_devices
-    from cosystream.runtime.runner import GraphMode
+    from cosystream.engine.config import EngineConfig, EngineProcessConfig, resolve_devices
+    from cosystream.runtime.settings import GraphMode
 
     try:
-        devices = resolve_devices(args.device, args.engines)  # --device cuda without CUDA: said now
+        devices = resolve_devices(args.device, args.engines)  # --device cuda without CUDA: said now (auto: later)
         if args.naive and len(devices) > 1:
             raise ValueError("--naive runs no engine process: --engines and device lists do not go with it")
         endpointing = EndpointingConfig(

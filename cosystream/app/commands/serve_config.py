@@ -29,7 +29,7 @@ def parse_model_arg(value: str) -> tuple[str | None, str]:
 
 def parse_precision_arg(value: str) -> tuple[str | None, str]:
     """``--precision [NAME=]DTYPE`` -> (NAME or None: every model, DTYPE)."""
-    from cosystream.models.loading import PRECISIONS
+    from cosystream.model_files import PRECISIONS
 
     name, sep, precision = value.rpartition("=")
     if sep and not name:
@@ -78,7 +78,7 @@ def read_vocabularies(pairs: list[tuple[str, str]]) -> tuple:
 def adaptive_config(args: argparse.Namespace):
     """``--adaptive`` and its marks, checked against the served models (ValueError, one line); None without."""
     from cosystream.engine.adaptive import AdaptiveConfig
-    from cosystream.models.loading import RESERVED_NAMES
+    from cosystream.model_files import RESERVED_NAMES
 
     if not args.adaptive:
         if args.adaptive_high is not None or args.adaptive_low is not None:
@@ -99,7 +99,7 @@ def adaptive_config(args: argparse.Namespace):
 def served_models(args: argparse.Namespace):
     """The ``--model`` flags as the served models, the first the default, at their ``--precision`` (ValueError,
     one line, if not)."""
-    from cosystream.models.loading import check_precision, embedded_model, model_sources
+    from cosystream.model_files import check_served_precision, embedded_model, model_sources
 
     entries = []
     for name, path in args.model:
@@ -113,19 +113,13 @@ def served_models(args: argparse.Namespace):
     unknown = sorted(name for name in given if name is not None and name not in {s.name for s in sources})
     if unknown:
         raise ValueError(f"--precision {unknown[0]}=...: no model of that name is served")
-    device = getattr(args, "device", "auto").split(",")[0].replace("cuda:all", "cuda")  # (the kind is what counts)
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = getattr(args, "device", "auto").split(",")[0]  # (the kind is what counts: cuda:all, 0, ... are CUDA)
     resolved = []
     for source in sources:
-        precision = given.get(source.name, given.get(None, source.precision))
-        try:
-            check_precision(precision, device)
-        except ValueError as err:
-            raise ValueError(f"--precision {precision} (model {source.name}): {err}") from None
-        resolved.append(dataclasses.replace(source, precision=precision))
+        source = dataclasses.replace(source, precision=given.get(source.name, given.get(None, source.precision)))
+        if device != "auto":  # (auto: the engine checks it, once it has picked its device)
+            check_served_precision(source, "cuda" if device.isdigit() else device)
+        resolved.append(source)
     return tuple(resolved)
 
 
