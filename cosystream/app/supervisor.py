@@ -2,10 +2,11 @@
 
 Every frontend is a spawned process of its own (``frontend_process.py``), which never imports torch; this
 one only watches, and never imports torch either (the engine's configuration and its spawn are in
-``engine/config.py`` and ``engine/launch.py``; ``--naive`` and ``--compile-only`` run a model here and do). Frontend 0 is spawned beside the engine and says
-which ports it bound (so ``--port 0`` works), or why it could not serve (a tokens or TLS file that changed
-since the CLI read it, a second-pass model that cannot load: one line, exit 1); frontends 1..N-1 are then
-spawned on the same ports, shared through SO_REUSEPORT. ``--naive`` alone serves from this process.
+``engine/config.py`` and ``engine/launch.py``). Frontend 0 is spawned beside the engine and says which ports
+it bound (so ``--port 0`` works), or why it could not serve (a tokens or TLS file that changed since the CLI
+read it, a second-pass model that cannot load: one line, exit 1); frontends 1..N-1 are then spawned on the
+same ports, shared through SO_REUSEPORT. ``--naive`` alone serves from this process (it runs the model
+here, so it loads torch, as ``serve --compile-only`` does).
 
 The supervisor owns the processes:
 - an engine that cannot start (bad model, no such device) ends ``serve`` at once with one line saying why

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cosystream.frontend.host import StreamOptions
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
@@ -30,6 +31,15 @@ def token_frontend(token: str) -> int | None:
     """The index of the frontend that issued ``token`` (None: a token without one)."""
     index, dot, _ = token.partition(".")
     return int(index) if dot and index.isdigit() else None
+
+
+def sibling_holding(token: str, options: StreamOptions) -> int | None:
+    """The index of the sibling frontend that holds resume ``token``'s session (None: this frontend, or a token
+    that names none of its siblings): where a resume that landed here is passed on."""
+    index = token_frontend(token)
+    if index is None or index == options.frontend_index or index >= len(options.peers):
+        return None
+    return index
 
 
 class Peers:

@@ -43,7 +43,7 @@ from cosystream.frontend.session import SessionConfig
 from cosystream.frontend.status import Ended, Refused, Status, draining
 from cosystream.priority import Priority
 from cosystream.server.auth import current_token
-from cosystream.server.forward import Peers, forward, token_frontend
+from cosystream.server.forward import Peers, forward, sibling_holding
 from cosystream.server.messages import STATUS_CODES, response_message
 from cosystream.server.retry import retry_metadata
 from cosystream.v1 import cosystream_pb2 as pb
@@ -323,8 +323,8 @@ class CosyStreamServicer(SessionHost, pb_grpc.CosyStreamServicer):
             raise Refused(Status.INVALID_ARGUMENT, "the first message must be a StreamingConfig")
         wanted = first.config
         if wanted.resume_token:  # (a held session may be resumed while the server drains)
-            holder = token_frontend(wanted.resume_token)
-            if holder is not None and holder != self.options.frontend_index and holder < len(self.options.peers):
+            holder = sibling_holding(wanted.resume_token, self.options)
+            if holder is not None:
                 return _Forward(first, holder)
             return await self.take(
                 wanted.resume_token, wanted.resume_offset_samples, wanted.resume_after_response, current_token()

@@ -47,6 +47,7 @@ from aiohttp import web
 
 from cosystream.frontend.quota import Held, OwnerLimit, QuotaExceeded
 from cosystream.server.auth import UNAUTHENTICATED_HELP, AuthError, Token, TokenStore
+from cosystream.server.forward import sibling_holding
 from cosystream.server.http import HttpConfig
 from cosystream.server.http.errors import ApiError
 from cosystream.server.http.media_streams import MAX_MESSAGE_BYTES, AudioForkStream, MediaSocket, TwilioStream
@@ -55,7 +56,6 @@ from cosystream.server.http.realtime_resume import (
     HeldConnections,
     ResumeRefused,
     ResumeRequest,
-    holder,
     http_socket,
     relay,
     wants_resume,
@@ -419,7 +419,7 @@ class HttpServer:
         try:
             resume = ResumeRequest.of(request.query)
             if resume is not None:
-                sibling = holder(resume.token, self.servicer)
+                sibling = sibling_holding(resume.token, self.servicer.options)
                 if sibling is not None:
                     self.servicer.metrics.forwarded()
                     headers = {} if token is None else {RELAYED_TOKEN_HEADER: token.name}

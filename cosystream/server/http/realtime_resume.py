@@ -33,7 +33,6 @@ from aiohttp import WSMsgType, web
 
 from cosystream.frontend.host import SessionHost
 from cosystream.server.auth import Token
-from cosystream.server.forward import token_frontend
 
 log = logging.getLogger(__name__)
 
@@ -208,16 +207,6 @@ class HeldConnections:
             connection.emitted - after,
         )
         return connection
-
-
-def holder(token: str, host: SessionHost) -> int | None:
-    """The index of the sibling frontend that holds ``token``'s session (None: this one, or a token without
-    one)."""
-    peers = host.options.peers
-    index = token_frontend(token)
-    if not peers or index is None or index == host.options.frontend_index or index >= len(peers):
-        return None
-    return index
 
 
 def http_socket(peer: str) -> str:
