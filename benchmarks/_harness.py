@@ -30,6 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+COMPILER = "cs-compiler"  # the background compiler (cosystream/engine/background_compile.py)
+
+
 def _children() -> dict[int, list[int]]:
     tree: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -62,21 +65,25 @@ def _name(pid: int) -> str:
 
 def cpu_by_process(root: int) -> dict[str, float]:
     """User + system CPU seconds of ``root`` and each live descendant, by process name (``cs-engine``,
-    ``cs-frontend-1``, ...: the names ``cosystream serve`` gives them; others by name and pid)."""
+    ``cs-frontend-1``, ...: the names ``cosystream serve`` gives them; others by name and pid). The background
+    compiler's whole tree (its compiler runs, ended ones too) is one entry, ``cs-compiler``."""
     tree = _children()
     seconds: dict[str, float] = {}
-    stack = [root]
+    stack = [(root, None)]
     while stack:
-        pid = stack.pop()
-        stack.extend(tree.get(pid, []))
+        pid, within = stack.pop()
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat.rsplit(")", 1)[1].split()
-        key = name if name.startswith("cs-") else f"{name}-{pid}"
-        seconds[key] = seconds.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        key = within or (name if name.startswith("cs-") else f"{name}-{pid}")
+        used = int(fields[11]) + int(fields[12])
+        if key == COMPILER and within is None:
+            used += int(fields[13]) + int(fields[14])  # (its children's, once they are waited for)
+        seconds[key] = seconds.get(key, 0.0) + used / CLOCK_TICKS
+        stack.extend((child, COMPILER if key == COMPILER else None) for child in tree.get(pid, []))
     return seconds
 
 
@@ -231,8 +238,9 @@ def probe(server: Server, *args: str) -> tuple[dict, float]:
 
 
 def server_seconds(cpu: dict[str, float]) -> float:
-    """The server's CPU seconds in :func:`probe_cpu`'s breakdown (the probe's own left out)."""
-    return sum(seconds for name, seconds in cpu.items() if name != "probe")
+    """The server's CPU seconds in :func:`probe_cpu`'s breakdown: the probe's own left out, and the background
+    compiler's (a one-off, on cycles nothing else wanted: its own entry in the breakdown)."""
+    return sum(seconds for name, seconds in cpu.items() if name not in ("probe", COMPILER))
 
 
 def probe_cpu(server: Server, *args: str) -> tuple[dict, dict[str, float]]:

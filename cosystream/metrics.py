@@ -61,6 +61,12 @@ def _metrics() -> dict:
         ["engine"],
         multiprocess_mode="livemax",
     )
+    COMPILED_SHAPES = Gauge(
+        "cosystream_compiled_shapes",
+        "(bucket, T) shapes of the model's step running compiled on a CPU engine (the rest run eager).",
+        ["engine", "model"],
+        multiprocess_mode="livemax",
+    )
     ENGINE_OVERLOADED = Gauge(
         "cosystream_engine_overloaded",
         "1 while the projected realtime load has stayed at or over serve --admit-load (engine/headroom.py).",
@@ -198,6 +204,9 @@ class EngineMetrics:
 
     def set_load(self, load: float) -> None:
         self._m["ENGINE_LOAD"].labels(self.engine).set(load)
+
+    def set_compiled_shapes(self, model: str, count: int) -> None:
+        self._m["COMPILED_SHAPES"].labels(self.engine, model).set(count)
 
     def set_overloaded(self, overloaded: bool) -> None:
         self._m["ENGINE_OVERLOADED"].labels(self.engine).set(int(overloaded))

@@ -14,10 +14,11 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def exit_with_parent() -> None:
-    """Linux: have the kernel send SIGTERM to this process when its parent dies, so none is orphaned."""
+def exit_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Linux: have the kernel send ``signum`` to this process when its parent dies, so none is orphaned
+    (SIGKILL for a process that may be stopped when it happens: a stopped process does not act on SIGTERM)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
 

@@ -31,6 +31,12 @@ def streaming_finals(args: tuple[str, ...]) -> tuple[str, ...]:
     return args if any(a.startswith("--final-model") for a in args) else ("--final-model", "off", *args)
 
 
+BACKGROUND_COMPILE_OFF = ("--no-background-compile",)
+"""What the tests' servers run with unless a test asks for the background compiler (``Served(...,
+background_compile=True)``): one compiling into the tests' shared cache would change, mid-run, what the later
+servers' engines load from it, and take the cores' idle time the tests' timing leaves."""
+
+
 def serve_argv(*args: str) -> list[str]:
     """``cosystream serve`` on free ports (gRPC and metrics: any; HTTP: off), as a command line."""
     return [
@@ -44,6 +50,7 @@ def serve_argv(*args: str) -> list[str]:
         "0",
         "--http-port",
         "0",
+        *BACKGROUND_COMPILE_OFF,
         *streaming_finals(args),
     ]
 
@@ -115,7 +122,7 @@ class Served:
     ``s.address``, ``s.metrics_url``, ``s.http_url``, ``s.log`` (every line so far), ``s.pids()`` (process name -> pid:
     cs-supervisor, cs-engine, cs-frontend-N), ``s.stub()``, ``s.health()``, ``s.info()``."""
 
-    def __init__(self, *args: str, start_timeout_s: float = 90.0):
+    def __init__(self, *args: str, start_timeout_s: float = 90.0, background_compile: bool = False):
         import socket
 
         with socket.socket() as s:
@@ -124,7 +131,7 @@ class Served:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.http_port = s.getsockname()[1]  # (unless the args give --http-port)
-        self.args = args
+        self.args = args if background_compile else (*BACKGROUND_COMPILE_OFF, *args)
         self.start_timeout_s = start_timeout_s
         self.log: list[str] = []
         self.port = 0

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,16 +49,21 @@ def within_tolerance(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 @pytest.fixture(scope="module")
-def compiled_runner(model, tmp_path_factory):
-    """Compiles every key once for the module, into a cache of its own; each test then builds its own runner
-    from that cache."""
-    cache = str(tmp_path_factory.mktemp("compiled"))
-    runner = make_runner(model, compile_cache_dir=cache)
+def compiled_cache(model, tmp_path_factory):
+    """Every key compiled once for the module, into a cache of its own."""
+    cache = tmp_path_factory.mktemp("compiled")
+    runner = make_runner(model, compile_cache_dir=str(cache))
     assert sorted(runner.compiled_keys) == sorted((b, t) for b in (1, 2, 4, 8) for t in FRAME_BUCKETS)
     assert runner.compiled_steps.compiled == 8
-    again = make_runner(model, compile_cache_dir=cache, compile_budget_s=0).compiled_steps
+    again = make_runner(model, compile_cache_dir=str(cache), compile_budget_s=0).compiled_steps
     assert again.loaded == 8 and again.compiled == 0  # from the cache, no compiler run
-    return lambda **config: make_runner(model, compile_cache_dir=cache, **config)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def compiled_runner(model, compiled_cache):
+    """Each test builds its own runner from the module's cache."""
+    return lambda **config: make_runner(model, compile_cache_dir=str(compiled_cache), **config)
 
 
 @needs_compiler
@@ -98,6 +104,71 @@ def test_no_compile_after_start_up(model, compiled_runner):
     runner = compiled_runner()
     with pytest.raises(RuntimeError, match="after start-up"):
         runner.compiled_steps.capture((16, 1), torch.nn.Identity(), (torch.zeros(1),))
+
+
+def stream(runner: Runner, slots: list[int], audio: np.ndarray, frames: int, start: int, stop: int) -> list:
+    """Step ``audio``'s rows (one per slot) from frame ``start`` to ``stop``, ``frames`` at a time; each step's
+    ids and logits."""
+    steps = []
+    for frame in range(start, stop, frames):
+        chunk = audio[:, frame * FRAME_SAMPLES : (frame + frames) * FRAME_SAMPLES]
+        out = runner.run(slots, chunk, return_logits=True)
+        steps.append((out.ids, out.logits))
+    return steps
+
+
+@needs_compiler
+def test_shapes_compiled_by_another_process_swap_in_mid_stream_with_the_ids_of_eager(
+    model, compiled_cache, tmp_path
+):
+    """A runner started on an empty cache steps eager; the packages another process compiles appear in its
+    cache mid-stream (copied here from the module's), each is loaded, checked and installed between two
+    steps, and the streams go on compiled: every step's ids are eager's, the logits within the tolerance, the
+    slab the same tensors."""
+    import shutil
+
+    live = make_runner(model, compile_cache_dir=str(tmp_path), compile_budget_s=0)
+    eager = make_runner(model, compile=False)
+    assert live.compiled_keys == [] and len(live.eager_keys()) == 8
+    assert live.load_compiled((1, 1)) is None  # nothing in the cache yet
+    pointers = [t.data_ptr() for t in live.slab.tensors]
+    slots = [live.slab.alloc() for _ in range(3)]
+    assert slots == [eager.slab.alloc() for _ in range(3)]
+    audio = np.stack([speech_like(0.8, seed=20 + i) for i in range(3)]).astype(np.float32)
+    before = [stream(r, slots, audio, 1, 0, 12) + stream(r, slots, audio, 4, 12, 40) for r in (live, eager)]
+    for path in compiled_cache.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    for key in live.eager_keys():
+        loader = live.load_compiled(key)
+        assert loader is not None, key
+        live.install_compiled(key, loader)
+    assert live.eager_keys() == [] and live.compiled_steps.swapped == 8
+    after = [stream(r, slots, audio, 1, 40, 52) + stream(r, slots, audio, 4, 52, 80) for r in (live, eager)]
+    for (got_ids, got), (ids, expected) in zip(before[0] + after[0], before[1] + after[1], strict=True):
+        np.testing.assert_array_equal(got_ids, ids)
+        assert within_tolerance(got, expected)
+    assert [t.data_ptr() for t in live.slab.tensors] == pointers
+
+
+@needs_compiler
+def test_a_package_that_steps_unlike_eager_is_removed_from_the_cache(model, compiled_cache, tmp_path, caplog):
+    """A package the index vouches for but compiled from other weights (folded into its code) fails the check
+    against this model's eager step: the key runs eager and the package leaves the cache, which so holds only
+    packages that passed (what a running engine's swap relies on: it loads without checking)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.head.bias += 1.0
+    empty = make_runner(other, compile_cache_dir=str(tmp_path), compile_budget_s=0).compiled_steps
+    theirs = next(compiled_cache.glob("*-1-1.pt2"))
+    ours = empty.path((1, 1))
+    ours.write_bytes(theirs.read_bytes())
+    (tmp_path / compiled.INDEX_FILE).write_text(json.dumps({ours.name: compiled.file_digest(ours)}))
+    runner = make_runner(other, compile_cache_dir=str(tmp_path), compile_budget_s=0)
+    assert (1, 1) not in runner.compiled_keys and "differs from eager" in caplog.text
+    assert not ours.exists() and json.loads((tmp_path / compiled.INDEX_FILE).read_text()) == {}
+    assert runner.load_compiled((1, 1)) is None
 
 
 def test_a_key_not_compiled_runs_eager(model, tmp_path):
@@ -190,6 +261,104 @@ def test_serve_compile_only_fills_the_cache_a_server_then_runs(tmp_path):
             log = "".join(served.log)
         assert (f"{shapes} shapes compiled" in log) == (name == "compiled"), log
     assert texts["compiled"] == texts["eager"] and "stella" in texts["compiled"], texts
+
+
+@needs_compiler
+@needs_espeak
+def test_serve_compiles_in_the_background_and_swaps_each_shape_in_mid_stream(tmp_path):
+    """``serve`` on an empty cache serves at once, every shape eager, while ``cs-compiler`` compiles them at
+    idle priority; one stream running across the swaps gets, utterance after utterance, the text an eager
+    server gives, and ends OK."""
+    import threading
+    import time
+
+    import grpc
+
+    from cosystream.v1 import cosystream_pb2 as pb
+
+    shapes = len(FRAME_BUCKETS_SERVED)  # batch bucket 1 only, each T
+    flags = ("--frontends", "1", "--max-sessions", "1", "--compile-cache-dir", str(tmp_path))
+    utterance = encode(np.concatenate([speech(SENTENCE), silence(1.0)]), "LINEAR16")
+    with Served(*flags, "--no-compile") as served:
+        expected = transcribe(served.stub(), utterance)
+    assert "stella" in expected, expected
+    with Served(*flags, background_compile=True) as served:
+        assert "cs-compiler" in served.pids()
+        assert transcribe(served.stub(), utterance) == expected  # served before any shape is compiled
+        assert served.metric("cosystream_compiled_shapes") < shapes
+        compiled_all = threading.Event()
+
+        def requests():
+            yield pb.StreamingRecognizeRequest(
+                config=pb.StreamingConfig(encoding=pb.LINEAR16, sample_rate_hz=16000)
+            )
+            last = False
+            while not last:
+                last = compiled_all.is_set()  # (one more utterance once every shape runs compiled)
+                for offset in range(0, len(utterance), 3200):  # 100 ms chunks, at real time
+                    yield pb.StreamingRecognizeRequest(audio=utterance[offset : offset + 3200])
+                    time.sleep(0.1)
+
+        finals: list[str] = []
+        call = served.stub().StreamingRecognize(requests(), timeout=600)
+        reader = threading.Thread(
+            target=lambda: finals.extend(r.transcript for x in call for r in x.results if r.is_final)
+        )
+        reader.start()
+        served.wait(lambda: served.metric("cosystream_compiled_shapes") == shapes, 480, "every shape swapped in")
+        compiled_all.set()
+        reader.join(60)
+        assert call.code() == grpc.StatusCode.OK
+        assert len(finals) >= 2 and all(final == expected for final in finals), (expected, finals)
+        served.wait(lambda: "background compile ended (exit code 0)" in "".join(served.log), 10, "the end logged")
+        assert f"{shapes} shapes swapped in, 0 still eager" in "".join(served.log)
+        assert "cs-compiler" not in served.pids()
+    assert len(list(tmp_path.glob("*.pt2"))) == shapes
+
+
+def test_the_compiler_is_paused_while_the_engine_is_busy_and_resumed_once_it_is_not():
+    """Stopped and continued as a process group (the compiler and its compiler runs), with hysteresis: a
+    load between the two limits changes nothing."""
+    from cosystream.engine.background_compile import Pause
+
+    group = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+
+    def states() -> set[str]:
+        found = set()
+        for entry in os.listdir("/proc"):
+            try:
+                line = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = line.rsplit(")", 1)[1].split()
+            if entry.isdigit() and int(fields[2]) == group.pid:
+                found.add(fields[0])
+        return found
+
+    def settled(expected: str) -> bool:
+        import time
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if states() == {expected}:
+                return True
+            time.sleep(0.02)
+        return False
+
+    try:
+        pause = Pause(group.pid, pause_load=0.5, resume_load=0.3)
+        assert settled("S")
+        pause.pace(0.45)
+        assert not pause.paused and settled("S")
+        pause.pace(0.7)
+        assert pause.paused and settled("T")
+        pause.pace(0.4)  # (between the limits: still paused)
+        assert pause.paused and settled("T")
+        pause.pace(0.1)
+        assert not pause.paused and settled("S") and pause.pauses == 1
+    finally:
+        os.killpg(group.pid, 9)
+        group.wait()
 
 
 def test_the_cache_folder_from_the_environment(monkeypatch, tmp_path):

@@ -213,7 +213,8 @@ def server(tmp_path_factory):
     """``cosystream serve`` with its default ports, as the README starts it (on loopback only)."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("the docs make their speech with espeak-ng (apt-get install espeak-ng)")
-    command = [str(VENV_BIN / "cosystream"), "serve", "--host", "127.0.0.1", "--admin"]  # (MODELS.md loads)
+    # (--admin: MODELS.md loads; no background compile: it would compile into this user's own cache)
+    command = [str(VENV_BIN / "cosystream"), "serve", "--host", "127.0.0.1", "--admin", "--no-background-compile"]
     ports = {"gRPC": GRPC_PORT, "metrics": METRICS_PORT}
     help_text = subprocess.run([*command[:2], "--help"], capture_output=True, text=True, timeout=60).stdout
     if "--http-port" in help_text:

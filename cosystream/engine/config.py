@@ -42,6 +42,9 @@ class EngineConfig:
     compile: bool = True
     compile_budget_s: float | None = COMPILE_BUDGET_S  # start-up seconds for keys not in the cache
     compile_cache_dir: str | None = None  # None: runtime.compiled.default_cache_dir()
+    # CPU: compile the shapes missing from the cache in a process of idle priority while serving, and swap each
+    # in once checked (``engine/background_compile.py``; ``serve``'s default); False: they stay eager.
+    background_compile: bool = False
     # New REALTIME sessions refused past this projected load (engine/headroom.py); 0: admission by count only.
     admit_load: float = ADMIT_LOAD
     overload_window_s: float = OVERLOAD_WINDOW_S

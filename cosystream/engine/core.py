@@ -90,6 +90,10 @@ class StepObserver(Protocol):
         """A new REALTIME session was refused: admitting it would have passed the load limit."""
         ...
 
+    def set_compiled_shapes(self, model: str, count: int) -> None:
+        """How many of ``model``'s step shapes run compiled (a CPU engine; at start, then as each is swapped in)."""
+        ...
+
 
 @dataclass(slots=True)
 class _RealtimeWindow:
@@ -101,6 +105,20 @@ class _RealtimeWindow:
     frames: int = 0
     compute_s: float = 0.0
     busy_s: float = 0.0
+
+
+def make_runner_config(config: EngineConfig) -> RunnerConfig:
+    """Every runner's settings in an engine of ``config`` (the background compiler's too: its packages' keys
+    must be the engine's)."""
+    return RunnerConfig(
+        max_batch=config.max_batch,
+        frame_buckets=config.frame_buckets,
+        graph_mode=config.graph_mode,
+        top_k=config.top_k,
+        compile=config.compile,
+        compile_cache_dir=config.compile_cache_dir,
+        compile_budget_s=config.compile_budget_s,
+    )
 
 
 class EngineCore:
@@ -129,15 +147,7 @@ class EngineCore:
         self.config = config
         self.device = device
         self.metrics = metrics
-        self.runner_config = runner_config = RunnerConfig(
-            max_batch=config.max_batch,
-            frame_buckets=config.frame_buckets,
-            graph_mode=config.graph_mode,
-            top_k=config.top_k,
-            compile=config.compile,
-            compile_cache_dir=config.compile_cache_dir,
-            compile_budget_s=config.compile_budget_s,
-        )
+        self.runner_config = runner_config = make_runner_config(config)
         # Every slab has a row per engine slot: a session may be on any model.
         self.slabs: list[StateSlab | None] = [
             StateSlab(m.cache_specs(), config.max_sessions, device=device) for m in self.models

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection, Listener
 import torch
 
 from cosystream.engine import ipc
+from cosystream.engine.background_compile import BackgroundCompile
 from cosystream.engine.config import EngineConfig, EngineProcessConfig, check_device
 from cosystream.engine.core import EngineCore
 from cosystream.engine.frontends import FrontendConnections
@@ -266,6 +267,10 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
     models = _Models(config, core)
     frontends = FrontendConnections(core, listener, stop, models.loader)
     reports = _Reports(core)
+    if core.metrics is not None:
+        for name, runner in zip(core.names, core.runners, strict=True):
+            core.metrics.set_compiled_shapes(name, len(runner.compiled_keys))
+    compiling = BackgroundCompile.start(config, core, core.metrics)
     iteration_start = time.perf_counter()
     try:
         while not stop.is_set():
@@ -273,6 +278,8 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
                 reports.announced = None  # the new frontend learns the counts
             waited_s = frontends.receive(IDLE_WAIT_S)
             models.update(frontends.ids)
+            if compiling is not None:
+                compiling.between_steps(core.report)
             core.step()
             reports.announce(frontends.ids)
             frontends.send(core.take_outbox())
@@ -281,6 +288,8 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
             iteration_start = iteration_end
             reports.periodic(time.monotonic())
     finally:
+        if compiling is not None:
+            compiling.close()
         listener.close()
         frontends.close()
         if os.path.exists(config.address):

@@ -11,19 +11,23 @@ batch 64, T=1 1.19 vs 2.65 ms; 1.5-2.5x on every key up to batch 256, T=16. Meas
 dynamic batch, gathers the rings in scalar loops; TorchScript (trace, freeze, optimize_for_inference) cuts
 batch 1 to 0.21 ms but leaves the matmuls as they are (batch 64: 2.3 ms).
 
-The key table is the only source of truth: a key compiled (or loaded) at start-up is replayed, anything
-else runs eager (the caller asks ``key in steps`` first). After ``freeze()`` any new compile raises, so no
-compilation happens while serving. A compiled step reads the very tensors it was compiled with (the
+The key table is the only source of truth: a key compiled (or loaded) at start-up, or installed later,
+is replayed, anything else runs eager (the caller asks ``key in steps`` first). After ``freeze()`` any new
+compile raises, so no compilation happens in a serving process; a package another process compiled (the
+engine's background compiler, ``engine/background_compile.py``) may still be loaded (``load``) and
+installed (``install``) between two steps. A compiled step reads the very tensors it was installed with (the
 runner's static buffers and the slab's tensors: the caller ``copy_``s into them, never rebinds) and
-updates the slab and the output buffer in place.
+updates the slab and the output buffer in place. Every package is checked against the eager step before it
+enters the cache, and one that fails the check where it is loaded leaves it, so the cache holds only
+packages that passed.
 
 Compiling costs 10-20 s per key here (all 36 keys of max_batch 256: 7.5 min), so packages are cached on
 disk under a fingerprint of everything the generated code depends on (torch version, CPU, threads, the
 model's weights, the source of the model's package and of the runner's step); from the cache, 36 keys
 load in 4 s. The slab's slot count is a dynamic dimension, so one package serves any ``max_sessions``.
 Keys missing from the cache are compiled while the start-up budget lasts (none by default: ``serve
---compile`` compiles every one, ``--compile-only`` does so and exits); the rest run eager. Each loaded key
-holds about 6 MB of packed weights.
+--compile`` compiles every one, ``--compile-only`` does so and exits); the rest run eager until ``serve``'s
+background compiler has compiled them. Each loaded key holds about 6 MB of packed weights.
 
 A package is native code the engine runs, so the cache is trusted only as far as nobody else can write to
 it: the folder is made 0700, and one owned by another user (root aside) or writable by group or others is
@@ -165,6 +169,7 @@ class CompiledSteps:
         self.loaded = 0  # keys found in the cache
         self.compiled = 0  # keys compiled by this process
         self.skipped = 0  # keys left eager: the budget was spent, or compiling failed
+        self.swapped = 0  # keys installed after start-up (compiled by the background compiler)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._loaders
@@ -182,10 +187,14 @@ class CompiledSteps:
         module: torch.nn.Module,
         args: tuple[torch.Tensor, ...],
         dynamic_shapes: Callable[[], tuple] | None = None,
+        check: Callable[[object], bool] | None = None,
     ) -> bool:
         """Load ``key``'s package from the cache, or export ``module(*args)`` and compile it (while the
         budget lasts; ``dynamic_shapes()`` gives the export's dynamic dimensions, asked only then). Replay
-        calls it on these same ``args``. Returns whether ``key`` is now compiled."""
+        calls it on these same ``args``. ``check(loader)`` (``call(loader, ...)`` against eager) decides
+        whether it is used: a package that fails it is removed from the cache, and a compiled one is put in
+        the cache only once it passes, so that every package the cache holds passed the check (what
+        :meth:`load` relies on). Returns whether ``key`` is now compiled."""
         if self._frozen:
             raise RuntimeError(f"step compile after start-up (key {key!r}): every key is compiled at start-up")
         if key in self._loaders:
@@ -200,59 +209,106 @@ class CompiledSteps:
             if path.exists():
                 self.skipped += 1
                 return False
-        if not path.exists():
-            if not self._compiling or (self.budget_s is not None and self._spent_s >= self.budget_s):
-                self.skipped += 1
-                return False
-            started = time.perf_counter()
-            try:
-                self._compile(module, args, dynamic_shapes() if dynamic_shapes else None, path)
-            except Exception:
-                log.exception("compiling the step for %r failed: it and every key not cached run eager", key)
-                self._compiling = False
-                self.skipped += 1
-                return False
-            finally:
-                self._spent_s += time.perf_counter() - started
-            self.compiled += 1
-        else:
+        if path.exists():
             self.loaded += 1
-            with contextlib.suppress(OSError):
-                os.utime(path)  # recently used: kept by the size limit
+            loader = self._load(key, path)
+            if loader is not None and check is not None and not check(loader):
+                self._discard(path)
+                loader = None
+        else:
+            loader = self._compile_checked(key, module, args, dynamic_shapes, check, path)
+        if loader is None:
+            self.skipped += 1
+            return False
+        self.install(key, loader, args)
+        return True
+
+    def _compile_checked(self, key, module, args, dynamic_shapes, check, path: Path) -> object | None:
+        """Compile ``key`` into a file of its own, load and check it, then put it in the cache; its loader, or
+        None (no budget left, compiling failed, or the check)."""
+        if not self._compiling or (self.budget_s is not None and self._spent_s >= self.budget_s):
+            return None
+        partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
+        started = time.perf_counter()
+        try:
+            self._compile(module, args, dynamic_shapes() if dynamic_shapes else None, partial)
+            loader = self._load(key, partial)
+            if loader is None or (check is not None and not check(loader)):
+                return None
+            digest = file_digest(partial)
+            with self._locked(fcntl.LOCK_EX):
+                os.replace(partial, path)  # atomic: a concurrent start sees the whole package or none
+                self._update_index({path.name: digest})
+            self.compiled += 1
+            return loader
+        except Exception:
+            log.exception("compiling the step for %r failed: it and every key not cached run eager", key)
+            self._compiling = False
+            return None
+        finally:
+            partial.unlink(missing_ok=True)
+            self._spent_s += time.perf_counter() - started
+
+    def load(self, key: Hashable) -> object | None:
+        """``key``'s package as another process (the background compiler) put it in the cache (so checked),
+        loaded but not installed: None if the cache holds none the index vouches for (or it fails to load).
+        Compiles and checks nothing, touches none of this object's keys: it may run in another thread while
+        steps replay (the loader's constructor holds the GIL for about 10 ms)."""
+        if self.refused or key in self._loaders:
+            return None
+        path = self.path(key)
+        if not path.exists() or not self._vouched_for(path):
+            return None
+        return self._load(key, path)
+
+    def _load(self, key: Hashable, path: Path) -> object | None:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: kept by the size limit
         import torch._inductor  # (heavy: 1 s and 75 MB, imported only where steps are compiled or loaded)
 
         try:
             package = torch._inductor.aoti_load_package(str(path))
         except Exception:
             log.exception("loading %s failed: removed; %r runs eager", path, key)
-            path.unlink(missing_ok=True)
-            self.skipped += 1
-            return False
+            self._discard(path)
+            return None
         # The loader's boxed_run takes the flat tensor list: the package's __call__ would parse its pytree
         # spec on every call (about 30 us at batch 1).
-        self._loaders[key] = package.loader
+        return package.loader
+
+    def _discard(self, path: Path) -> None:
+        """Remove ``path``'s package and its index entry (a read-only cache keeps both)."""
+        with contextlib.suppress(OSError), self._locked(fcntl.LOCK_EX):
+            path.unlink(missing_ok=True)
+            self._update_index({path.name: None})
+
+    def install(self, key: Hashable, loader, args: tuple[torch.Tensor, ...]) -> None:
+        """Replay ``key`` through ``loader`` (from :meth:`load`) on ``args`` from the next step on; after
+        start-up too: in the thread that replays, between two steps."""
+        if key in self._loaders:
+            raise ValueError(f"step {key!r} already compiled")
         self._args[key] = args
-        return True
+        self._loaders[key] = loader  # (last: ``key in self`` is what makes replay use it)
+        if self._frozen:
+            self.swapped += 1
+
+    @staticmethod
+    def call(loader, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A loaded package's step on ``args`` (any tensors of the shapes it was compiled for)."""
+        return loader.boxed_run(list(args))[0]
 
     def _compile(
         self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: tuple | None, path: Path
     ) -> None:
+        """Export ``module(*args)`` and compile it into a package at ``path``."""
         import torch._inductor
         import torch.export
 
         with torch.no_grad():
             exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
-            partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
-            try:
-                torch._inductor.aoti_compile_and_package(
-                    exported, package_path=str(partial), inductor_configs=dict(INDUCTOR_CONFIGS)
-                )
-                digest = file_digest(partial)
-                with self._locked(fcntl.LOCK_EX):
-                    os.replace(partial, path)  # atomic: a concurrent start sees the whole package or none
-                    self._update_index({path.name: digest})
-            finally:
-                partial.unlink(missing_ok=True)
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
+            )
 
     @contextlib.contextmanager
     def _locked(self, mode: int):
@@ -302,13 +358,6 @@ class CompiledSteps:
         log.warning("compiled package %s discarded, not loaded: %s", path, why)
         return False
 
-    def drop(self, key: Hashable) -> None:
-        """Forget ``key`` (it runs eager): for a package that failed the caller's check."""
-        if self._frozen:
-            raise RuntimeError("the compiled keys are fixed after start-up")
-        del self._loaders[key], self._args[key]
-        self.skipped += 1
-
     def freeze(self) -> None:
         self._frozen = True
         self._trim_cache()
@@ -345,6 +394,7 @@ class CompiledSteps:
             with contextlib.suppress(OSError), self._locked(fcntl.LOCK_EX):
                 self._update_index(dict.fromkeys(removed))
 
-    def replay(self, key: Hashable) -> torch.Tensor:
-        """Run ``key``'s compiled step on its captured arguments; returns its output (a new tensor)."""
-        return self._loaders[key].boxed_run(list(self._args[key]))[0]
+    def replay(self, key: Hashable, args: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """Run ``key``'s compiled step on its captured arguments (or on ``args``, tensors of the same shapes);
+        returns its output (a new tensor)."""
+        return self.call(self._loaders[key], self._args[key] if args is None else args)

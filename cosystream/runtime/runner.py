@@ -13,6 +13,7 @@ computes the same thing, within the streaming tolerance.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,41 +268,66 @@ class Runner:
             slots_dim = Dim("slab_slots", min=2, max=1 << 24)
             return (None, None, None, tuple({0: slots_dim} for _ in self.slab.tensors))
 
-        # The live realtime shape (T=1) first, in case the budget runs out; small buckets before large.
-        keys = sorted(
-            ((b, t) for b in self.batch_buckets for t in self.config.frame_buckets), key=lambda k: k[::-1]
-        )
         with torch.no_grad():
-            for bucket, frames_per_step in keys:
-                key = (bucket, frames_per_step)
-                self._fill_check_inputs(bucket, frames_per_step)
-                if not steps.capture(key, module, self._step_args(bucket, frames_per_step), dynamic):
-                    continue
-                expected, expected_slab = self._on_scratch(lambda b=bucket, t=frames_per_step: self._step(b, t))
-                got, got_slab = self._on_scratch(lambda k=key: steps.replay(k))
-                if not _close(got, expected) or not all(map(_close, got_slab, expected_slab)):
-                    log.error("the compiled step %r differs from eager beyond the streaming tolerance: eager", key)
-                    steps.drop(key)
-            for buffer in self._pcm.values():
-                buffer.zero_()
+            for key in self.compile_order():
+                check = functools.partial(self._matches_eager, key)
+                steps.capture(key, module, self._step_args(*key), dynamic, check)
         steps.freeze()
         self._compiled = steps
 
-    def _fill_check_inputs(self, bucket: int, frames_per_step: int) -> None:
-        """The same noise in every row, every row on the scratch slot: whichever row writes the scratch slot
-        last, it ends the same, so a compiled step's slab update can be compared with eager's."""
-        self._slots.fill_(self.slab.scratch_slot)
-        row = torch.randn(frames_per_step * FRAME_SAMPLES, generator=torch.Generator().manual_seed(bucket)) * 0.1
-        self._pcm[frames_per_step][:bucket].copy_(row.to(self._pcm[frames_per_step].dtype))
+    def compile_order(self) -> list[tuple[int, int]]:
+        """Every (bucket, T) key, in the order they are compiled: the live realtime shape (T=1) first, in case
+        the budget runs out; small buckets before large."""
+        return sorted(
+            ((b, t) for b in self.batch_buckets for t in self.config.frame_buckets), key=lambda k: k[::-1]
+        )
 
-    def _on_scratch(self, step) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``step()``'s logits and the scratch slot after it, from a zeroed scratch slot (zeroed again after)."""
-        scratch = self.slab.scratch_slot
-        self.slab.reset(scratch)
-        logits = step()[:1].clone()
-        state = [tensor[scratch].clone() for tensor in self.slab.tensors]
-        self.slab.reset(scratch)
-        return logits, state
+    def eager_keys(self) -> list[tuple[int, int]]:
+        """The keys that run eager but could run compiled once a package for them is in the cache (none when
+        this runner does not compile, or its cache is not trusted)."""
+        steps = self._compiled
+        if steps is None or steps.refused:
+            return []
+        return [key for key in self.compile_order() if key not in steps]
+
+    def load_compiled(self, key: tuple[int, int]):
+        """``key``'s package, if the cache now holds one, loaded; else None. Not checked here: every package in
+        the cache passed the check against the eager step (``CompiledSteps.capture``). Touches none of the
+        tensors a step uses: it may run in another thread while the loop steps. What it returns,
+        :meth:`install_compiled` takes."""
+        return self._compiled.load(key) if self._compiled is not None else None
+
+    def install_compiled(self, key: tuple[int, int], loader) -> None:
+        """Run ``key`` through ``loader`` from the next step on (in the thread that steps: O(1))."""
+        self._compiled.install(key, loader, self._step_args(*key))
+
+    def _matches_eager(self, key: tuple[int, int], loader) -> bool:
+        """Whether ``loader``'s package steps like eager on ``key``'s shape, within the streaming tolerance: its
+        logits and its slab update, each run on tensors of their own (the live buffers and slab untouched)."""
+        with torch.no_grad():
+            expected = self._check_step(key, self._step_on)
+            got = self._check_step(key, lambda *args: CompiledSteps.call(loader, args))
+        if _close(got[0], expected[0]) and all(map(_close, got[1], expected[1])):
+            return True
+        log.error("the compiled step %r differs from eager beyond the streaming tolerance: eager", key)
+        return False
+
+    def _check_step(self, key: tuple[int, int], step) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``step(pcm, slots, out, *slab)``'s first row of logits and the slab row it wrote, on check tensors:
+        the same noise in every row, every row on slot 1 of a 2-slot zeroed slab (whichever row writes it last,
+        it ends the same, so a compiled step's slab update can be compared with eager's)."""
+        bucket, frames_per_step = key
+        pcm = self._pcm[frames_per_step]
+        noise = torch.randn(frames_per_step * FRAME_SAMPLES, generator=torch.Generator().manual_seed(bucket)) * 0.1
+        rows = noise.to(pcm.dtype).expand(bucket, -1).clone()
+        slots = torch.ones((bucket,), dtype=torch.long, device=self.device)
+        out = torch.zeros_like(self._out[frames_per_step][:bucket])
+        slab = [
+            torch.zeros((2, *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
+            for tensor in self.slab.tensors
+        ]
+        logits = step(rows.to(self.device), slots, out, *slab)
+        return logits[:1].clone(), [tensor[1].clone() for tensor in slab]
 
 
 class _StepModule(torch.nn.Module):

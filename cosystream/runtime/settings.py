@@ -13,5 +13,5 @@ class GraphMode(enum.Enum):
 
 COMPILE_BUDGET_S = 0.0
 """Start-up seconds spent compiling keys that are not in the cache (checked between keys, so one key may
-run over it); None: compile every key. By default none: a start uses the packages cached (``serve
---compile`` or ``--compile-only`` made them) and runs the rest eager, so no start waits on a compiler."""
+run over it); None: compile every key. By default none: a start uses the packages cached and runs the rest
+eager, so no start waits on a compiler (``serve`` then compiles them in the background and swaps each in)."""

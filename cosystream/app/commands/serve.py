@@ -107,6 +107,7 @@ def _serve(args: argparse.Namespace, run_dir: str) -> int:
             max_batch=args.max_batch,
             graph_mode=GraphMode.EAGER if args.no_cuda_graphs else GraphMode.GRAPHS,
             compile=not args.no_compile,
+            background_compile=not (args.no_compile or args.no_background_compile),
             **compile_budget(args),
             **given(compile_cache_dir=args.compile_cache_dir),
             realtime_batch_window_s=args.batch_window_ms / 1000,

@@ -264,6 +264,12 @@ def _steps(parser: argparse.ArgumentParser) -> None:
         help="compile every shape --compile would into the cache, then exit (for an image or an init step)",
     )
     parser.add_argument(
+        "--no-background-compile",
+        action="store_true",
+        help="CPU: leave the shapes missing from the compile cache eager (by default a process of idle priority "
+        "compiles them while serving, and each is swapped in once it is checked)",
+    )
+    parser.add_argument(
         "--compile-budget-s",
         type=float,
         default=None,
