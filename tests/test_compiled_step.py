@@ -310,10 +310,29 @@ def test_serve_compiles_in_the_background_and_swaps_each_shape_in_mid_stream(tmp
         reader.join(60)
         assert call.code() == grpc.StatusCode.OK
         assert len(finals) >= 2 and all(final == expected for final in finals), (expected, finals)
-        served.wait(lambda: "background compile ended (exit code 0)" in "".join(served.log), 10, "the end logged")
+        served.wait(lambda: "ended (exit code 0) after" in "".join(served.log), 10, "the end logged")
         assert f"{shapes} shapes swapped in, 0 still eager" in "".join(served.log)
         assert "cs-compiler" not in served.pids()
     assert len(list(tmp_path.glob("*.pt2"))) == shapes
+
+
+@needs_compiler
+def test_a_model_loaded_while_serving_gets_its_shapes_compiled_in_the_background(tmp_path):
+    """A new version loaded through the Admin service (other weights: none of its shapes cached) runs eager,
+    then compiled, shape by shape, as the start-up's models do."""
+    from tests.test_admin import admin_cli, nudged_copy
+
+    v2 = nudged_copy(tmp_path / "v2")
+    shapes = len(FRAME_BUCKETS_SERVED)
+    flags = ("--admin", "--frontends", "1", "--max-sessions", "1", "--compile-cache-dir", str(tmp_path / "cache"))
+    with Served(*flags, background_compile=True) as served:
+        served.wait(lambda: "background compile of" in "".join(served.log), 480, "the start-up's compile done")
+        assert served.metric("cosystream_compiled_shapes", model="v2") == 0
+        done = admin_cli(served, "load", "v2", v2)
+        assert done.returncode == 0, done.stderr
+        served.wait(lambda: served.metric("cosystream_compiled_shapes", model="v2") == shapes, 480, "v2 compiled")
+        served.wait(lambda: "background compile of v2 ended (exit code 0)" in "".join(served.log), 10, "logged")
+    assert len(list((tmp_path / "cache").glob("*.pt2"))) == 2 * shapes
 
 
 def test_the_compiler_is_paused_while_the_engine_is_busy_and_resumed_once_it_is_not():

@@ -10,7 +10,8 @@ put in the cache, and the cache holds no package that failed. The engine's watch
 package and loads it; the loop installs it between two steps (a dict insert). A load holds the GIL for about
 10 ms once per shape (AOTInductor's loader); checking there instead would hold it for a whole compiled step
 (``boxed_run`` keeps the GIL), up to tens of ms for the largest shapes. If the compiler dies, the shapes it
-did not finish stay eager.
+did not finish stay eager. A model loaded while serving (``model_swap.py``) is handed over the same way
+(:meth:`BackgroundCompile.add`), and compiled after any compile at work.
 
 The compiler takes the cache's ``.compiler.lock`` for its whole run, so that several engines on one cache
 (``--engines``) compile each shape once: the second waits, then finds the first's packages and loads them.
@@ -29,7 +30,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 
 from cosystream.engine.config import EngineProcessConfig
 from cosystream.prctl import exit_with_parent, set_process_name
@@ -147,48 +147,64 @@ def _prepare_loading() -> None:
 
 
 class BackgroundCompile:
-    """The engine's side: the compiler process, and the watcher thread that loads and checks what it
-    compiles. ``install_ready()`` runs in the loop's thread, between steps."""
+    """The engine's side: compiler processes, one at a time, for the models with shapes still eager (those
+    served from the start, and those loaded while serving: :meth:`add`), and the watcher thread that loads
+    what they compile. :meth:`between_steps` runs in the loop's thread, between steps."""
 
-    def __init__(self, config: EngineProcessConfig, models: Sequence[tuple[str, object]], metrics=None):
-        self.models = list(models)  # (name, runner) of each model with shapes still eager
+    def __init__(self, config: EngineProcessConfig, metrics=None):
+        self.config = config
         self.metrics = metrics
         self.swapped = 0
+        self.models: list[tuple[str, object]] = []  # (name, runner) of every model added, watched
+        self.process: mp.Process | None = None  # the compiler at work, or the last one
+        self.pause: Pause | None = None
+        self._pending: list = []  # the ModelSources of the models added since the last compiler started
         self._ready: collections.deque = collections.deque()  # (name, runner, key, loader), for the loop
+        self._lock = threading.Lock()
+        self._watching = False
         self._stop = threading.Event()
-        self._started = time.monotonic()
-        context = mp.get_context("spawn")
-        self.process = context.Process(target=compiler_main, args=(config,), name=PROCESS_NAME)
-        self.process.start()
-        self.pause = Pause(self.process.pid)  # (its pid is its process group's id: it calls setpgid first)
         self._report = None
-        self._thread = threading.Thread(target=self._watch, name="compiled-steps", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, config: EngineProcessConfig, core, metrics=None) -> BackgroundCompile | None:
-        """Start compiling ``core``'s missing shapes (None: nothing to compile, or it cannot be here)."""
-        if not config.engine.background_compile or core.device.type != "cpu":
+    def for_engine(cls, config: EngineProcessConfig, core, metrics=None) -> BackgroundCompile | None:
+        """Compiling for ``core``'s models from now on, starting with the shapes its start-up left eager (None:
+        a CUDA engine, background compiling off, or no compiler here)."""
+        if not config.engine.background_compile or core.device.type != "cpu" or not config.engine.compile:
             return None
-        models = [
-            (n, r) for n, r in zip(core.names, core.runners, strict=True) if r is not None and r.eager_keys()
-        ]
-        if not models:
-            return None
+        from cosystream.model_files import model_sources
         from cosystream.runtime.compiled import compiler_missing
 
         missing = compiler_missing()
         if missing:
             log.info("shapes not in the compile cache run eager: %s", missing)
             return None
-        count = sum(len(runner.eager_keys()) for _, runner in models)
+        compiling = cls(config, metrics)
+        sources = config.models or model_sources([])
+        for name, runner, source in zip(core.names, core.runners, sources, strict=True):
+            compiling.add(name, runner, source)
+        return compiling
+
+    def add(self, name: str, runner, source) -> None:
+        """Compile ``runner``'s eager shapes (its model loaded from ``source``, a ``ModelSource``) in the
+        background, and swap each in; nothing if it has none. In the loop's thread."""
+        keys = runner.eager_keys() if runner is not None else []
+        if not keys:
+            return
         log.info(
-            "compiling %d shapes missing from the compile cache in the background (%s, idle priority): each "
-            "runs eager until it is swapped in",
-            count,
+            "compiling %d shapes of model %s missing from the compile cache in the background (%s, idle "
+            "priority): each runs eager until it is swapped in",
+            len(keys),
+            name,
             PROCESS_NAME,
         )
-        return cls(config, models, metrics)
+        with self._lock:
+            self.models.append((name, runner))
+            self._pending.append(source)
+            if not self._watching:
+                self._watching = True
+                self._thread = threading.Thread(target=self._watch, name="compiled-steps", daemon=True)
+                self._thread.start()
 
     def between_steps(self, report) -> int:
         """In the loop's thread, between two steps: pause or resume the compiler by the engine's load (``report``,
@@ -196,8 +212,9 @@ class BackgroundCompile:
         the last call; returns how many."""
         if report is not self._report and report is not None:
             self._report = report
-            if self.process.is_alive():
-                self.pause.pace(report.load)
+            process, pause = self.process, self.pause
+            if process is not None and pause is not None and process.is_alive():
+                pause.pace(report.load)
         return self.install_ready() if self._ready else 0
 
     def install_ready(self) -> int:
@@ -213,20 +230,39 @@ class BackgroundCompile:
                 self.metrics.set_compiled_shapes(name, len(runner.compiled_keys))
         return installed
 
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive() and not self._ready
-
     def _watch(self) -> None:
         _prepare_loading()
-        tried: set[tuple[int, tuple[int, int]]] = set()
+        tried: set[tuple[int, tuple[int, int]]] = set()  # (id of the runner, key)
+        while True:
+            with self._lock:
+                if self._stop.is_set() or not self._pending:
+                    self._watching = False
+                    return
+                sources, self._pending = self._pending, []
+            self._compile(sources, tried)
+
+    def _compile(self, sources: list, tried: set) -> None:
+        """One compiler for ``sources``: every watched runner swept for new packages until it has exited (and
+        once more after), then the end logged."""
+        started, swapped = time.monotonic(), self.swapped
+        context = mp.get_context("spawn")
+        process = context.Process(
+            target=compiler_main,
+            args=(dataclasses.replace(self.config, models=tuple(sources)),),
+            name=PROCESS_NAME,
+        )
+        process.start()
+        self.pause = Pause(process.pid)  # (its pid is its process group's id: it calls setpgid first)
+        self.process = process
         while not self._stop.is_set():
-            exited = not self.process.is_alive()  # (before the sweep: it sees every package the process wrote)
-            for index, (name, runner) in enumerate(self.models):
+            exited = not process.is_alive()  # (before the sweep: it sees every package the process wrote)
+            with self._lock:
+                models = list(self.models)
+            for name, runner in models:
                 for key in runner.eager_keys():
-                    if (index, key) in tried or not runner.compiled_steps.path(key).exists():
+                    if (id(runner), key) in tried or not runner.compiled_steps.path(key).exists():
                         continue
-                    tried.add((index, key))
+                    tried.add((id(runner), key))
                     try:
                         loader = runner.load_compiled(key)
                     except Exception:
@@ -237,31 +273,33 @@ class BackgroundCompile:
             if exited:
                 break
             self._stop.wait(POLL_S)
-        if self._stop.is_set():
-            return
         while self._ready and not self._stop.is_set():
             time.sleep(0.05)  # (the loop installs them)
-        eager = sum(len(runner.eager_keys()) for _, runner in self.models)
-        level = logging.INFO if self.process.exitcode == 0 else logging.WARNING
+        if self._stop.is_set():
+            return
+        eager = sum(len(runner.eager_keys()) for _, runner in models)
         log.log(
-            level,
-            "background compile ended (exit code %s) after %.0f s: %d shapes swapped in, %d still eager",
-            self.process.exitcode,
-            time.monotonic() - self._started,
-            self.swapped,
+            logging.INFO if process.exitcode == 0 else logging.WARNING,
+            "background compile of %s ended (exit code %s) after %.0f s: %d shapes swapped in, %d still eager",
+            ", ".join(source.name for source in sources),
+            process.exitcode,
+            time.monotonic() - started,
+            self.swapped - swapped,
             eager,
         )
 
     def close(self) -> None:
         """End the compiler and its compiler runs (a package half written is removed), and the watcher."""
         self._stop.set()
-        if self.process.is_alive():
+        process, pause = self.process, self.pause
+        if process is not None and process.is_alive():
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            self.pause.resume()  # (a stopped process acts on SIGTERM once continued)
-        self.process.join(10)
-        if self.process.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.join(5)
-        self._thread.join(5)
+                os.killpg(process.pid, signal.SIGTERM)
+            pause.resume()  # (a stopped process acts on SIGTERM once continued)
+            process.join(10)
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.join(5)
+        if self._thread is not None:
+            self._thread.join(5)

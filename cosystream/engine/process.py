@@ -270,7 +270,8 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
     if core.metrics is not None:
         for name, runner in zip(core.names, core.runners, strict=True):
             core.metrics.set_compiled_shapes(name, len(runner.compiled_keys))
-    compiling = BackgroundCompile.start(config, core, core.metrics)
+    compiling = BackgroundCompile.for_engine(config, core, core.metrics)
+    watched = len(core.runners)  # (models loaded while serving get their missing shapes compiled too)
     iteration_start = time.perf_counter()
     try:
         while not stop.is_set():
@@ -279,6 +280,8 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
             waited_s = frontends.receive(IDLE_WAIT_S)
             models.update(frontends.ids)
             if compiling is not None:
+                if len(core.runners) > watched:
+                    watched = compile_new_models(compiling, core, models.infos, watched)
                 compiling.between_steps(core.report)
             core.step()
             reports.announce(frontends.ids)
@@ -295,6 +298,16 @@ def run_engine(config: EngineProcessConfig, core: EngineCore, listener: Listener
         if os.path.exists(config.address):
             os.unlink(config.address)
         log.info("engine stopped")
+
+
+def compile_new_models(compiling: BackgroundCompile, core: EngineCore, infos: list, watched: int) -> int:
+    """Hand the models installed since the first ``watched`` to the background compiler; returns how many
+    there are now."""
+    for index in range(watched, len(core.runners)):
+        if (info := infos[index]) is not None:
+            source = ModelSource(info.name, info.path, info.precision)
+            compiling.add(core.names[index], core.runners[index], source)
+    return len(core.runners)
 
 
 class _Models:
