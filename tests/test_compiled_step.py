@@ -202,6 +202,23 @@ def test_the_cache_fingerprint_covers_weights_and_config(model):
             weight.copy_(saved)
 
 
+def test_the_cache_fingerprint_covers_the_cpus_feature_flags(model, monkeypatch):
+    """The code is compiled for this very CPU (-march=native): a CPU of the same vector ISA class but other
+    flags gets packages of its own (here, the flags another CPU would list)."""
+    assert "sse2" in compiled.cpu_features().split()  # (x86-64: every one has it)
+    base = compiled.fingerprint(model)
+    monkeypatch.setattr(compiled, "cpu_features", lambda: "avx avx2 fma sse2")
+    assert compiled.fingerprint(model) != base
+
+
+def test_a_cache_with_packages_for_another_cpu_or_torch_says_so_in_one_line(tmp_path, caplog):
+    caplog.set_level("INFO", logger="cosystream.runtime.compiled")
+    (tmp_path / "0123456789abcdef0123456789abcdef-1-1.pt2").write_bytes(b"another machine's")
+    compiled.CompiledSteps("fedcba9876543210fedcba9876543210", tmp_path, budget_s=0).freeze()
+    lines = [r.getMessage() for r in caplog.records if "none for this step" in r.getMessage()]
+    assert len(lines) == 1 and "holds 1 packages" in lines[0] and "run eager" in lines[0]
+
+
 def test_the_engine_uses_cached_steps_by_default_and_compiles_nothing(model, tmp_path):
     """The engine's default: compiled packages from the cache, none compiled at start (an empty cache: every
     key eager, nothing written); compile=False does not even look."""

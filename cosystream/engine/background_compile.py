@@ -177,7 +177,9 @@ class BackgroundCompile:
 
         missing = compiler_missing()
         if missing:
-            log.info("shapes not in the compile cache run eager: %s", missing)
+            eager = sum(len(runner.eager_keys()) for runner in core.runners if runner is not None)
+            if eager:
+                log.info("%d shapes not in the compile cache run eager: %s", eager, missing)
             return None
         compiling = cls(config, metrics)
         sources = config.models or model_sources([])

@@ -126,6 +126,22 @@ def compiler_missing() -> str | None:
     return None
 
 
+def cpu_features() -> str:
+    """The CPU's feature flags as the kernel lists them (``/proc/cpuinfo``'s ``flags``, ``Features`` on Arm),
+    sorted; empty where there is no such file. The generated code is compiled with ``-march=native``: two CPUs
+    of one vector ISA class (AVX-512 on AMD Zen 4 and on Intel Skylake) differ in the instructions it may use,
+    so a package is only for CPUs with the very same flags."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return ""
+
+
 def fingerprint(model: torch.nn.Module, extra: Iterable[object] = ()) -> str:
     """A digest of everything a compiled step depends on besides its key: a package compiled under another
     fingerprint is never loaded."""
@@ -135,6 +151,7 @@ def fingerprint(model: torch.nn.Module, extra: Iterable[object] = ()) -> str:
     for part in (torch.__version__, platform.machine(), platform.processor(), torch.get_num_threads()):
         digest.update(f"{part}\0".encode())
     digest.update(f"{torch.backends.cpu.get_cpu_capability()}\0{sorted(INDUCTOR_CONFIGS.items())}\0".encode())
+    digest.update(f"{cpu_features()}\0".encode())
     sources = set(Path(importlib.import_module(type(model).__module__).__file__).parent.glob("*.py"))
     sources.update(Path(importlib.import_module(name).__file__) for name in _STEP_MODULES)
     for path in sorted(sources):
@@ -266,6 +283,11 @@ class CompiledSteps:
             os.utime(path)  # recently used: kept by the size limit
         import torch._inductor  # (heavy: 1 s and 75 MB, imported only where steps are compiled or loaded)
 
+        if compiler_missing():
+            # Without a compiler (the container image) torch's first way of loading a package probes the CPU
+            # by compiling, fails, and it logs "Loading outdated pt2 file" for each package before the second
+            # way loads it. The packages are not outdated: their fingerprint is this torch's.
+            logging.getLogger("torch._inductor.package.package").setLevel(logging.ERROR)
         try:
             package = torch._inductor.aoti_load_package(str(path))
         except Exception:
@@ -361,6 +383,19 @@ class CompiledSteps:
     def freeze(self) -> None:
         self._frozen = True
         self._trim_cache()
+        if not self._loaders and not self.refused:
+            with contextlib.suppress(OSError):
+                others = [p for p in self.cache_dir.glob("*.pt2") if not p.name.startswith(self.fingerprint)]
+                if others:
+                    log.info(
+                        "compile cache %s holds %d packages, none for this step (fingerprint %s: this torch, CPU "
+                        "(vector ISA %s, its feature flags), thread count, model and cosystream version): its "
+                        "shapes run eager until compiled here",
+                        self.cache_dir,
+                        len(others),
+                        self.fingerprint,
+                        torch.backends.cpu.get_cpu_capability(),
+                    )
         log.info(
             "compiled CPU steps: %d keys (%d from the cache, %d compiled in %.1f s), %d left eager; cache %s",
             len(self._loaders),
