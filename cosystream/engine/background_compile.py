@@ -98,6 +98,10 @@ def compiler_main(config: EngineProcessConfig) -> None:
 
     configure_logs(config.log_level, config.log_format)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (unwinds: a half-written package is removed)
+    # A spawned child's default start method is spawn, under which a multiprocessing lock made here (tqdm's,
+    # when torch.fx shows progress) is named and registered with the server's resource tracker; stopped
+    # mid-compile, it would be reported as leaked when the server exits. Under fork it is unlinked at once.
+    mp.set_start_method("fork", force=True)
     import torch
     import torch._inductor.config
 
