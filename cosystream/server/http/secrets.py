@@ -74,10 +74,13 @@ class ClientSecrets:
         that is malformed, forged, expired, spent or revoked."""
         if not secret.startswith(PREFIX):
             raise SecretRefused("not a client secret")
+        encoded = secret[len(PREFIX) :]
         try:
-            raw = base64.urlsafe_b64decode(secret[len(PREFIX) :] + "=" * (-len(secret) % 4))
+            raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
         except ValueError:
             raise SecretRefused("not a client secret") from None
+        if _b64(raw) != encoded:  # (the last character's spare bits, or characters the decoder skips)
+            raise SecretRefused("the client secret is not one this server issued")
         body, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
         if len(body) != _HEAD.size or not hmac.compare_digest(mac, self._mac(body)):
             raise SecretRefused("the client secret is not one this server issued")
