@@ -122,7 +122,14 @@ class Served:
     ``s.address``, ``s.metrics_url``, ``s.http_url``, ``s.log`` (every line so far), ``s.pids()`` (process name -> pid:
     cs-supervisor, cs-engine, cs-frontend-N), ``s.stub()``, ``s.health()``, ``s.info()``."""
 
-    def __init__(self, *args: str, start_timeout_s: float = 90.0, background_compile: bool = False):
+    def __init__(
+        self,
+        *args: str,
+        start_timeout_s: float = 90.0,
+        background_compile: bool = False,
+        prefix: tuple[str, ...] = (),
+    ):
+        """``prefix``: a command that runs the server's command line (its arguments), e.g. in a namespace."""
         import socket
 
         with socket.socket() as s:
@@ -133,6 +140,7 @@ class Served:
             self.http_port = s.getsockname()[1]  # (unless the args give --http-port)
         self.args = args if background_compile else (*BACKGROUND_COMPILE_OFF, *args)
         self.start_timeout_s = start_timeout_s
+        self.prefix = prefix
         self.log: list[str] = []
         self.port = 0
         self._channel = None
@@ -145,6 +153,7 @@ class Served:
 
         self.process = subprocess.Popen(
             [
+                *self.prefix,
                 sys.executable,
                 "-m",
                 "cosystream",

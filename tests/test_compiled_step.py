@@ -352,6 +352,40 @@ def test_a_model_loaded_while_serving_gets_its_shapes_compiled_in_the_background
     assert len(list((tmp_path / "cache").glob("*.pt2"))) == 2 * shapes
 
 
+def read_only(folder: Path) -> tuple[str, ...]:
+    """A command prefix that runs a command with ``folder`` mounted read-only over itself, in a mount namespace
+    of its own (skips where this user cannot make one)."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    prefix = ("unshare", "--mount", "sh", "-c", script, str(folder))
+    try:
+        denied = subprocess.run([*prefix, "touch", str(folder / "probe")], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"no mount namespace here: {err}")
+    if denied.returncode == 0 or b"Read-only" not in denied.stderr:
+        pytest.skip(f"cannot mount a folder read-only here: {denied.stderr.decode().strip()}")
+    return prefix
+
+
+@needs_compiler
+def test_a_read_only_cache_runs_the_shapes_it_lacks_eager_and_starts_no_compiler(tmp_path):
+    """A cache made at build time and read-only where the server runs, on a host with a C++ compiler: the
+    shapes it lacks run eager, said in one line, and no compiler is started (it could put nothing there)."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    flags = ("--frontends", "1", "--max-sessions", "1", "--compile-cache-dir", str(cache))
+    utterance = encode(np.concatenate([speech(SENTENCE), silence(1.0)]), "LINEAR16")
+    with Served(*flags, background_compile=True, prefix=read_only(cache)) as served:
+        assert transcribe(served.stub(), utterance)
+        assert "cs-compiler" not in served.pids()
+        log = "".join(served.log)
+    shapes = len(FRAME_BUCKETS_SERVED)
+    assert (
+        f"{shapes} shapes not in the compile cache run eager: the compile cache {cache} is on a read-only" in log
+    )
+    assert "Traceback" not in log and "cs-compiler" not in log
+    assert not list(cache.iterdir())
+
+
 def test_the_compiler_is_paused_while_the_engine_is_busy_and_resumed_once_it_is_not():
     """Stopped and continued as a process group (the compiler and its compiler runs), with hysteresis: a
     load between the two limits changes nothing."""

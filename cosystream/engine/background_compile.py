@@ -138,6 +138,19 @@ def compiler_main(config: EngineProcessConfig) -> None:
                 )
 
 
+def unwritable(cache: str) -> str | None:
+    """Why no package can be put in the compile cache ``cache`` (a read-only mount, as an image's cache made at
+    build time may be; a folder this user may not write), or None."""
+    try:
+        if os.statvfs(cache).f_flag & os.ST_RDONLY:
+            return f"the compile cache {cache} is on a read-only file system"
+    except OSError as err:
+        return f"the compile cache {cache} cannot be used: {err}"
+    if not os.access(cache, os.W_OK | os.X_OK):
+        return f"the compile cache {cache} cannot be written by this user (uid {os.getuid()})"
+    return None
+
+
 def _prepare_loading() -> None:
     """What the first package's load would do, done now, at start (no session yet): the import of AOTInductor
     (about 1 s, and up to 180 ms at a time with the GIL held) and its probe of the CPU's vector ISA (about 1 s
@@ -173,13 +186,14 @@ class BackgroundCompile:
     @classmethod
     def for_engine(cls, config: EngineProcessConfig, core, metrics=None) -> BackgroundCompile | None:
         """Compiling for ``core``'s models from now on, starting with the shapes its start-up left eager (None:
-        a CUDA engine, background compiling off, or no compiler here)."""
+        a CUDA engine, background compiling off, no compiler here, or a compile cache it could not write)."""
         if not config.engine.background_compile or core.device.type != "cpu" or not config.engine.compile:
             return None
         from cosystream.model_files import model_sources
-        from cosystream.runtime.compiled import compiler_missing
+        from cosystream.runtime.compiled import compiler_missing, default_cache_dir
 
-        missing = compiler_missing()
+        cache = config.engine.compile_cache_dir or str(default_cache_dir())
+        missing = compiler_missing() or unwritable(cache)
         if missing:
             eager = sum(len(runner.eager_keys()) for runner in core.runners if runner is not None)
             if eager:
