@@ -776,12 +776,25 @@ needs_baresip = pytest.mark.skipif(
 
 def start_baresip(home: Path, wav: Path, account: str, dial: str, config: str = "") -> subprocess.Popen:
     """baresip with its config and account in ``home``, dialling ``dial`` and playing ``wav``; it hangs up
-    at the file's end and then idles until stopped (:func:`stop_baresip`) or 30 s."""
+    at the file's end and then idles until stopped (:func:`stop_baresip`) or 30 s.
+
+    Its SIP port is one found free a moment before, which another process (another caller's RTP socket, one
+    started beside it) can take first: baresip then exits at once ("Address already in use") and never
+    dials. It is started again on another port."""
     home.mkdir()
-    (home / "config").write_text(BARESIP_CONFIG.format(sip_port=free_port(), wav=wav) + config)
     (home / "accounts").write_text(account + "\n")
     command = ["baresip", "-f", str(home), "-e", f"/dial {dial}", "-t", "30"]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(5):
+        (home / "config").write_text(BARESIP_CONFIG.format(sip_port=free_port(), wav=wav) + config)
+        run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            run.wait(timeout=0.3)
+        except subprocess.TimeoutExpired:
+            return run  # (listening: a bind failure ends it within milliseconds)
+        output = run.communicate()[0]
+        if "Address already in use" not in output:
+            raise AssertionError(f"baresip exited at start ({run.returncode}):\n{output[-2000:]}")
+    raise AssertionError(f"baresip found no free SIP port in 5 tries:\n{output[-2000:]}")
 
 
 def stop_baresip(run: subprocess.Popen) -> str:
