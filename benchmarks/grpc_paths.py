@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks._harness import cpu_seconds
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
@@ -161,22 +161,17 @@ async def _clients(port: int, streams: int, duration_s: float, chunk_ms: int) ->
     return received
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(kind: str, streams: int, duration_s: float, chunk_ms: int, every: int, port: int) -> dict:
     command = [sys.executable, "-m", "benchmarks.grpc_paths", "--serve", kind, "--port", str(port)]
     command += ["--answer-every", str(every), "--streams", str(streams)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        before = _cpu_s(server.pid)
+        before = cpu_seconds(server.pid)
         wall = time.monotonic()
         received = asyncio.run(_clients(port, streams, duration_s, chunk_ms))
         wall = time.monotonic() - wall
-        cpu = _cpu_s(server.pid) - before
+        cpu = cpu_seconds(server.pid) - before
     finally:
         server.kill()
         server.wait()
