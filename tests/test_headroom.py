@@ -185,6 +185,41 @@ def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
     assert [type(e) for e in send(core, [ipc.Open(2, realtime, 0)]).events] == [ipc.Opened]
 
 
+def test_calls_that_end_during_the_windows_leave_their_load_to_the_sessions_that_made_it():
+    """A wave of twelve calls ends over 2 s (three hang up each half second), each call 0.055 of load while it
+    speaks, and a second wave calls in at once. Its sessions are priced by the load per session that was
+    measured (the windows' load over the sessions stepped in them), so the engine takes calls while 16 fit under
+    0.9; priced by the sessions left at each window's end (9, 6, 3, 1), the same load looked like 0.087 per
+    session and the door closed at 10."""
+    clock = FakeClock()
+    config_ = EngineConfig(
+        max_sessions=24, max_batch=24, realtime_batch_window_s=0, admit_load=0.9, overload_window_s=60.0
+    )
+    core = EngineCore([tiny(1, 0)], config_, torch.device("cpu"), None, ["m"], None, clock)
+    realtime = int(Priority.REALTIME)
+    first = list(range(12))
+    box = send(core, [ipc.Open(key, realtime, 0) for key in first])
+    assert [type(e) for e in box.events] == [ipc.Opened] * 12
+    for hanging_up in (3, 3, 3, 2):  # four load windows of 0.5 s, two steps of every open call in each
+        send(core, [], {key: FRAMES[:1] for key in first})
+        clock.now += 0.25
+        core.observe_load(0.055 * len(first) * 0.25)
+        send(core, [], {key: FRAMES[:1] for key in first})
+        send(core, [ipc.Close(key) for key in first[:hanging_up]])  # (before the window ends)
+        clock.now += 0.25
+        core.observe_load(0.055 * len(first) * 0.25)
+        del first[:hanging_up]
+    assert len(first) == 1
+    admitted = 0
+    for key in range(100, 124):
+        box = send(core, [ipc.Open(key, realtime, 0)])
+        if not any(isinstance(e, ipc.Opened) for e in box.events):
+            break
+        admitted += 1
+    assert box.events and isinstance(box.events[0], ipc.Rejected) and box.events[0].reason == "overloaded"
+    assert admitted == 15, admitted  # 16 calls open: 0.88 (linear: the tiny model's steps are a small share)
+
+
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="--admit-load must be between 0"):
         EngineConfig(admit_load=-1)

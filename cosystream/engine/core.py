@@ -97,12 +97,13 @@ class StepObserver(Protocol):
 
 @dataclass(slots=True)
 class _RealtimeWindow:
-    """A load window's realtime steps, summed (their steps, rows, frames and compute seconds), and its busy
-    time (what the adaptive policy was fed: the load's numerator)."""
+    """A load window's realtime steps, summed (their steps, rows, frames and compute seconds, and the realtime
+    sessions open at each), and its busy time (what the adaptive policy was fed: the load's numerator)."""
 
     steps: int = 0
     rows: int = 0
     frames: int = 0
+    sessions: int = 0
     compute_s: float = 0.0
     busy_s: float = 0.0
 
@@ -181,6 +182,7 @@ class EngineCore:
         # Free slots across every model, popped from the end: slot 0 is handed out first.
         self._free = list(range(config.max_sessions - 1, -1, -1))
         self._slot_of: dict[tuple[int, int], int] = {}
+        self._realtime_open = 0  # sessions of Priority.REALTIME holding a slot
         self._outbox: dict[int, ipc.ToFrontend] = {}
         self._listening: set[int] = set()  # frontends whose gRPC port is open
         self.freed_models = 0  # model versions freed since start-up (replaced or unloaded, and unused)
@@ -269,8 +271,7 @@ class EngineCore:
             return
         asked, model = self.names[model], current
         if priority == Priority.REALTIME and self.headroom.admit_load:  # (off: no count per open)
-            realtime = sum(self._priority[slot] == Priority.REALTIME for slot in self._slot_of.values())
-            why = self.headroom.refuse(realtime, self._realtime_step_cost)
+            why = self.headroom.refuse(self._realtime_open, self._realtime_step_cost)
             if why is not None:
                 self._box(frontend).events.append(ipc.Rejected(key, why, RETRY_AFTER_S, "overloaded"))
                 if self.metrics is not None:
@@ -293,6 +294,7 @@ class EngineCore:
         self.scheduler.add(slot, priority, model)
         self._owner[slot] = (frontend, key)
         self._priority[slot] = priority
+        self._realtime_open += priority == Priority.REALTIME
         self._model_of[slot] = model
         self._asked[slot] = asked
         self._holders[model] += 1
@@ -324,6 +326,7 @@ class EngineCore:
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
+        self._realtime_open -= self._priority[slot] == Priority.REALTIME
         self.queue.clear(slot)
         model = self._model_of[slot]
         self.slabs[model].reset(slot)  # zeroed for the next session on it
@@ -417,9 +420,12 @@ class EngineCore:
         counts = self.active_sessions()
         steps = window.steps
         mean_rows, mean_frames = (window.rows / steps, window.frames / steps) if steps else (0.0, 0.0)
+        # The sessions that made the window's load: those open at its steps, not those left at its end (a
+        # burst of calls ending in it would charge their load to the few left).
+        sessions = window.sessions / steps if steps else counts["realtime"]
         # (the part of the load that was model steps)
         compute = load * min(1.0, window.compute_s / window.busy_s) if window.busy_s > 0 else load
-        if self.headroom.observe(load, mean_rows, mean_frames, counts["realtime"], compute):
+        if self.headroom.observe(load, mean_rows, mean_frames, sessions, compute):
             limit = self.headroom.limit
             if self.headroom.overloaded:
                 log.warning(
@@ -547,6 +553,7 @@ class EngineCore:
             window.steps += 1
             window.rows += plan.rows
             window.frames += plan.frames
+            window.sessions += self._realtime_open
             window.compute_s += compute_s
             if self._fallbacks:
                 self._project(plan, compute_s)

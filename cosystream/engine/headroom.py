@@ -104,7 +104,7 @@ class Headroom:
         self.window_s = window_s
         self._clock = clock
         # Per window: (load, mean rows, mean frames of its realtime steps, 0 and 0 without any; the realtime
-        # sessions open at its end; the part of the load that was model steps).
+        # sessions open at its steps, on average; the part of the load that was model steps).
         self._recent: deque[tuple[float, float, float, float, float]] = deque(maxlen=RECENT_WINDOWS)
         self.overloaded = False
         self._since = clock()  # when the load last crossed the limit
@@ -146,12 +146,18 @@ class Headroom:
         return compute * growth + (self.recent - compute) * more_sessions
 
     def observe(
-        self, load: float, rows: float = 0.0, frames: float = 0.0, sessions: int = 0, compute: float | None = None
+        self,
+        load: float,
+        rows: float = 0.0,
+        frames: float = 0.0,
+        sessions: float = 0.0,
+        compute: float | None = None,
     ) -> bool:
         """A window's projected load, with the mean rows and frames of its realtime steps (0: none), the
-        realtime sessions open at its end (0: not counted, taken as ``rows``) and the part of ``load`` that
-        was model steps (None: all of it); True when the overload state changed (see :attr:`overloaded`).
-        Updates :attr:`stage`."""
+        realtime sessions that made it (those open at its steps, on average: not those left at its end, or a
+        burst of calls ending in the window would charge its load to the few left; 0: not counted, taken as
+        ``rows``) and the part of ``load`` that was model steps (None: all of it); True when the overload state
+        changed (see :attr:`overloaded`). Updates :attr:`stage`."""
         now = self._clock()
         self._recent.append((load, rows, frames, sessions, load if compute is None else min(compute, load)))
         over = load >= self.limit
