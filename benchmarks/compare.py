@@ -73,6 +73,8 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
                     "p50_ms": statistics.median(r["p50_ms"] for r in found),
                     "p99_ms": statistics.median(r["p99_ms"] for r in found),
                     "deadline_misses": statistics.median(r["deadline_misses"] for r in found),
+                    # (streams refused or failed: RESOURCE_EXHAUSTED for load among them)
+                    "errors": statistics.median(r["errors"] for r in found),
                     "server_cpu_ms_per_audio_s": statistics.median(r["server_cpu_ms_per_audio_s"] for r in found),
                     "frontend_cpu_ms_per_audio_s": statistics.median(_share(r, "cs-frontend-") for r in found),
                     "engine_cpu_ms_per_audio_s": statistics.median(_share(r, "cs-engine") for r in found),
@@ -91,12 +93,12 @@ def table(rows: list[dict]) -> str:
     """``cpu ms/s``: the server's CPU per second of audio per stream; ``frontends`` and ``engine``: its shares."""
     lines = [
         f"{'tree':>6} {'mode':>7} {'decoder':>8} {'chunk':>6} {'streams':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'misses':>7} {'cpu ms/s':>9} {'frontends':>10} {'engine':>7} {'passed':>7}"
+        f"{'misses':>7} {'errors':>7} {'cpu ms/s':>9} {'frontends':>10} {'engine':>7} {'passed':>7}"
     ]
     for r in sorted(rows, key=lambda r: (r["mode"], r["decoder"], r["chunk_ms"], r["streams"], r["tree"])):
         lines.append(
             f"{r['tree']:>6} {r['mode']:>7} {r['decoder']:>8} {r['chunk_ms']:>4}ms {r['streams']:>8} "
-            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['deadline_misses']:>7.0f} "
+            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['deadline_misses']:>7.0f} {r['errors']:>7.0f} "
             f"{r['server_cpu_ms_per_audio_s']:>9.1f} {r['frontend_cpu_ms_per_audio_s']:>10.1f} "
             f"{r['engine_cpu_ms_per_audio_s']:>7.1f} {r['passed']:>3}/{r['rounds']}"
         )
