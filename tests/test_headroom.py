@@ -16,7 +16,7 @@ import torch
 from cosystream.engine import ipc
 from cosystream.engine.config import EngineConfig
 from cosystream.engine.core import EngineCore
-from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, Headroom, RestProfile
+from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, Headroom
 from cosystream.priority import Priority
 from cosystream.server.retry import retry_after_s
 from cosystream.v1 import cosystream_pb2 as pb
@@ -100,42 +100,6 @@ def test_the_work_around_the_steps_is_priced_per_session_and_the_steps_by_their_
         headroom.observe(0.6, rows=10, frames=1, sessions=10, compute=0.2)
     assert headroom.projected(19, line_cost(1.0, 1.0)) == pytest.approx(0.2 * 21 / 11 + 0.4 * 20 / 10)
     assert headroom.projected(10, line_cost(1.0, 1.0)) == pytest.approx(0.2 * 12 / 11 + 0.4 * 11 / 10)
-
-
-def test_the_rest_of_the_load_grows_as_measured_between_sizes_and_linearly_past_them():
-    profile = RestProfile()
-    assert profile.growth(4, 8) == 2  # nothing measured: linear
-    profile.add(4, 0.05)
-    assert profile.growth(4, 34) == pytest.approx(34 / 4)  # one size measured: linear from it
-    profile.add(60, 0.25)
-    assert profile.growth(4, 34) == pytest.approx((0.05 + 0.2 * 30 / 56) / 0.05)  # between sizes: interpolated
-    assert profile.growth(60, 90) == pytest.approx(1.5)  # past the most sessions measured: linear
-    assert profile.growth(4, 2) == pytest.approx(0.5)  # under the fewest measured: linear to none
-    profile.add(30, 0.02)  # a noisy window: fewer sessions never cost more than more did
-    assert profile.growth(4, 30) == pytest.approx(1.0)
-    for _ in range(20):
-        profile.add(61, 0.4)  # (the same band as 60: its point moves towards the windows)
-    assert profile.growth(4, 61) == pytest.approx(0.4 / 0.05, rel=0.01)
-
-
-def test_a_ramp_of_calls_is_priced_by_what_the_engine_measured_at_that_many():
-    """The work around the steps grows far slower than the sessions (messages are shared, not per chunk): a
-    server that has served 60 calls at 0.55 prices a ramp from 4 calls by that curve, not linearly from the 4."""
-    cost = line_cost(1.0, 0.05)
-    fresh, seasoned = (Headroom(0.9, window_s=1.0, clock=FakeClock()) for _ in range(2))
-    for _ in range(4):
-        seasoned.observe(0.55, rows=60, frames=1, sessions=60, compute=0.3)  # an earlier busy minute
-    for headroom in (fresh, seasoned):
-        for _ in range(4):
-            headroom.observe(0.17, rows=4, frames=1, sessions=4, compute=0.12)
-    # 33 calls admitted since: one more is a step of 34 rows (2.7 ms where 4 rows took 1.2) and the rest as at
-    # 34 calls: measured between 4 (0.05) and 60 (0.25) calls, not 34/4 of 0.05.
-    steps = 0.12 * cost(34, 1) / cost(4, 1)
-    assert seasoned.projected(33, cost) == pytest.approx(steps + 0.05 + 0.2 * 30 / 56)  # 0.43: admitted
-    assert seasoned.refuse(33, cost) is None
-    assert fresh.projected(33, cost) == pytest.approx(steps + 0.05 * 34 / 4)  # 0.70: nothing seen past 4 calls
-    # Past the 60 measured: linear from there.
-    assert seasoned.projected(62, cost) == pytest.approx(0.12 * cost(63, 1) / cost(4, 1) + 0.25 * 63 / 60)
 
 
 def test_overloaded_once_over_the_limit_for_the_window_and_back_once_under_for_as_long():

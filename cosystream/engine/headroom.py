@@ -9,14 +9,10 @@ as the scheduler's **step cost model** says (the measured time of a step per row
 ``Scheduler.estimate_cost_s``): a batched step costs little more for one more row, so that part is scaled by
 ``cost(rows') / cost(rows)``, ``rows`` the mean rows of the windows' realtime steps and ``rows' = rows x
 (open + 1) / sessions`` the rows of a step once each of the ``open`` sessions (and the new one) brings its
-share, ``sessions`` the realtime sessions open during the windows. The **rest** of the load (the work
-around the steps: IPC, queueing, results) grows as the engine has **measured** it grow with the sessions open
-(:class:`RestProfile`): a few sessions send the engine a message per chunk each, many share a message per
-event-loop turn of their frontend, so that part grows far slower than the sessions do (at 4 sessions it was
-0.05 of the engine's time here, at 60 about 0.25). Past the most sessions ever measured it grows as
-``(open + 1) / sessions``, the cautious side. So a ramp of arrivals is priced as it is admitted, before their
-speech reaches the measured load, and after a burst of calls has ended the load of those calls is not charged
-to the sessions left. A new
+share, ``sessions`` the realtime sessions open during the windows. The **rest** of the load (each frame's own
+work around the steps: IPC, queueing, results), which no batching makes cheaper, grows as ``(open + 1) /
+sessions``. So a ramp of arrivals is priced as it is admitted, before their speech reaches the measured load,
+and after a burst of calls has ended the load of those calls is not charged to the sessions left. A new
 REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when that projection
 would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`). Before the cost model has measured
 both sizes, the projection is linear in rows (the cautious side). BATCH sessions are not refused for load:
@@ -36,7 +32,6 @@ The engine is **overloaded** once the projected load has stayed at or over ``adm
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import deque
@@ -53,10 +48,6 @@ overloaded (``serve --overload-window-s``)."""
 RETRY_AFTER_S = 2.0
 """The retry delay a session refused for load is given (RetryInfo): a few load windows."""
 RECENT_WINDOWS = 4  # load windows (0.5 s each) averaged for admission
-
-PROFILE_STEP = 1.25
-"""Windows whose realtime sessions are within this ratio of each other feed one point of the rest's profile."""
-PROFILE_ALPHA = 0.25  # each window's weight in its profile point (an exponential average)
 
 THIN_INTERIM_MS = 500
 """A stream's interims are at most this much audio apart while interims are thinned."""
@@ -77,52 +68,6 @@ STAGE_HYSTERESIS = 0.1
 
 StepCost = Callable[[int, int], float]
 """(rows, frames) -> the estimated seconds of a realtime step that size (``math.inf``: not known yet)."""
-
-
-class RestProfile:
-    """The part of the load that is not model steps, by the realtime sessions open, as measured: one point per
-    band of sessions (:data:`PROFILE_STEP` wide), each the exponential average of its windows' sessions and
-    rest. It prices how that part grows from one number of sessions to another: interpolated between measured
-    points, never falling with more sessions (cautious), linear in the sessions past the points (or with none)."""
-
-    def __init__(self) -> None:
-        self._points: dict[int, list[float]] = {}  # band -> [sessions, rest]
-
-    def add(self, sessions: float, rest: float) -> None:
-        if not sessions >= 1 or not rest >= 0:
-            return
-        band = round(math.log(sessions, PROFILE_STEP))
-        point = self._points.get(band)
-        if point is None:
-            self._points[band] = [sessions, rest]
-        else:
-            point[0] += PROFILE_ALPHA * (sessions - point[0])
-            point[1] += PROFILE_ALPHA * (rest - point[1])
-
-    def growth(self, sessions: float, more: float) -> float:
-        """How many times the rest at ``sessions`` it is at ``more`` sessions."""
-        at = self._rest(sessions)
-        return self._rest(more) / at if at > 0 else more / max(1.0, sessions)
-
-    def _rest(self, sessions: float) -> float:
-        points, highest = [], 0.0
-        for band in sorted(self._points):
-            count, rest = self._points[band]
-            highest = max(highest, rest)  # (never less with more sessions: noise is priced on the safe side)
-            points.append((count, highest))
-        if not points:
-            return sessions
-        if sessions <= points[0][0]:
-            return points[0][1] * sessions / points[0][0]
-        for (low, low_rest), (high, high_rest) in itertools.pairwise(points):
-            if sessions <= high:  # (bands' averages may meet at a band's edge: no slope between them then)
-                return (
-                    low_rest + (high_rest - low_rest) * (sessions - low) / (high - low)
-                    if high > low
-                    else high_rest
-                )
-        count, rest = points[-1]
-        return rest * sessions / count  # past the most sessions measured: linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +106,6 @@ class Headroom:
         # Per window: (load, mean rows, mean frames of its realtime steps, 0 and 0 without any; the realtime
         # sessions open at its steps, on average; the part of the load that was model steps).
         self._recent: deque[tuple[float, float, float, float, float]] = deque(maxlen=RECENT_WINDOWS)
-        self.rest_profile = RestProfile()
         self.overloaded = False
         self._since = clock()  # when the load last crossed the limit
         self._over = False  # the last window's load was at or over the limit
@@ -184,9 +128,8 @@ class Headroom:
         The windows' steps had ``rows`` rows on average while ``sessions`` were open; with ``realtime + 1``
         open, each session bringing its share, a step has ``rows x (realtime + 1) / sessions`` rows. The part
         of the load that was model steps grows as the cost of such a step over the cost of the steps measured
-        (a batched step costs little more for more rows); the rest (receiving the frames, queueing them,
-        sending their results) grows as :attr:`rest_profile` measured it grow with the sessions (linear past
-        the most sessions measured). So sessions admitted since the windows (a
+        (a batched step costs little more for more rows); the rest (each frame's own work: receiving it,
+        queueing it, sending its result) grows with the sessions. So sessions admitted since the windows (a
         ramp of arrivals, whose speech has not reached the load yet) are priced in, and those that have ended
         since are not."""
         stepped = [(rows, frames, sessions) for _, rows, frames, sessions, _ in self._recent if rows]
@@ -200,8 +143,7 @@ class Headroom:
         now, more = (math.inf, math.inf) if cost is None else (cost(rows, frames), cost(math.ceil(target), frames))
         growth = more / now if 0 < now < math.inf and more < math.inf else more_sessions  # (linear: cautious)
         compute = sum(window[4] for window in self._recent) / len(self._recent)
-        rest_growth = self.rest_profile.growth(max(1.0, sessions), realtime + 1)
-        return compute * growth + (self.recent - compute) * rest_growth
+        return compute * growth + (self.recent - compute) * more_sessions
 
     def observe(
         self,
@@ -217,10 +159,7 @@ class Headroom:
         ``rows``) and the part of ``load`` that was model steps (None: all of it); True when the overload state
         changed (see :attr:`overloaded`). Updates :attr:`stage`."""
         now = self._clock()
-        compute = load if compute is None else min(compute, load)
-        self._recent.append((load, rows, frames, sessions, compute))
-        if rows:
-            self.rest_profile.add(sessions or rows, load - compute)
+        self._recent.append((load, rows, frames, sessions, load if compute is None else min(compute, load)))
         over = load >= self.limit
         if over != self._over:
             self._over, self._since = over, now
