@@ -9,6 +9,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soxr
 
 from tests.speech import needs_espeak, silence, speech
@@ -16,7 +17,7 @@ from tests.test_second_pass import needs_whisper
 
 FIRST = "please call me back at five o'clock tomorrow"
 SECOND = "we will meet again next week"
-UNSURE = "the weather is nice today"  # (the packaged tiny.en: "but whatever is nice today", log-probability -0.59)
+UNSURE = "the weather is nice today"  # (the packaged tiny.en: "but weather is...", log-probability about -0.5)
 
 
 def write_wav(path: Path, audio: np.ndarray, rate_hz: int) -> None:
@@ -48,7 +49,7 @@ def test_a_recording_is_cut_into_the_utterances_a_stream_of_it_would_have():
 def test_recordings_become_shards_of_whispers_text_and_the_trainer_reads_them(tmp_path):
     needs_whisper()
     from training.corpus import load_shard
-    from training.data import Corpus
+    from training.data import Corpus, load_eval
     from training.pseudo_label import main
 
     recordings = tmp_path / "recordings"
@@ -79,7 +80,7 @@ def test_recordings_become_shards_of_whispers_text_and_the_trainer_reads_them(tm
 
     summary = json.loads(summary_path.read_text())
     assert summary["files"] == 2 and summary["unreadable"] == [str(recordings / "notes.wav")]
-    # the misheard sentence is dropped: Whisper was not sure enough of it to teach it
+    # the sentence Whisper was least sure of (it mishears it) is dropped: not sure enough to teach it
     assert summary["utterances"] == 3 and summary["kept"] == 2, summary
     assert summary["dropped"] == {"low_confidence": 1}, summary
     assert summary["shards"] == ["shard_pl_00000.npz"] and 0 < summary["real_time_factor"] < 5
@@ -96,3 +97,13 @@ def test_recordings_become_shards_of_whispers_text_and_the_trainer_reads_them(tm
     # More recordings later: the next shard, the first untouched.
     assert main(["--audio", str(recordings / "call.wav"), "--out", str(corpus)]) == 0
     assert sorted(p.name for p in (corpus / "train").iterdir()) == ["shard_pl_00000.npz", "shard_pl_00001.npz"]
+
+    # A held-out group of real speech: what training reports per group, and what eval_set exports.
+    held_out = ["--audio", str(recordings / "call.wav"), "--out", str(corpus), "--min-logprob", "-0.3"]
+    assert main([*held_out, "--held-out", "calls"]) == 0
+    groups = load_eval(corpus)
+    assert list(groups) == ["calls"] and groups["calls"][1] == [SECOND, FIRST]
+    assert len(list((corpus / "train").iterdir())) == 2  # (nothing more for training)
+    for taken in ("calls", "../escape"):
+        with pytest.raises(SystemExit):
+            main([*held_out, "--held-out", taken])

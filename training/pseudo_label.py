@@ -16,7 +16,10 @@ reads beside the synthetic ones, with Whisper's text as the label:
    token log-probability under -1) and an average log-probability of at least ``--min-logprob`` (stricter than
    serving's gate: a wrong label costs more in training than a final the streaming model would have given);
 4. kept utterances go to ``<out>/train/shard_pl_NNNNN.npz`` (the synthetic shards' format, numbered after any
-   already there), their ``voice`` the file they came from; nothing is written to ``<out>/eval``.
+   already there), their ``voice`` the file they came from; nothing is written to ``<out>/eval``. With
+   ``--held-out GROUP`` they go to ``<out>/eval/GROUP.npz`` instead: a held-out group of real speech that
+   training reports beside the synthetic ones, and ``training.eval_set --groups GROUP`` makes a
+   ``cosystream eval`` test set of (keep its recordings out of the training shards).
 
 It prints, and with ``--json`` writes, what it read and kept: files, hours, utterances, why the others were
 dropped, and how fast the second pass read (its real-time factor).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -122,8 +126,10 @@ def label(
     min_logprob: float = MIN_LOGPROB,
     threads: int = 1,
     shard_size: int = SHARD_SIZE,
+    held_out: str | None = None,
 ) -> Summary:
-    """Pseudo-label ``files`` into shards under ``out/train`` (see the module docstring)."""
+    """Pseudo-label ``files`` into shards under ``out/train``, or into the held-out group ``out/eval/held_out``
+    (see the module docstring)."""
     from cosystream.secondpass.whisper import WhisperTranscriber  # the 'whisper' extra
 
     summary = Summary()
@@ -158,6 +164,15 @@ def label(
                 summary.drop("low_confidence")
             else:
                 kept.append((audio, result.text, source))
+    summary.kept = len(kept)
+    summary.kept_s = sum(len(a) for a, _, _ in kept) / SAMPLE_RATE_HZ
+    if held_out is not None:
+        (out / "eval").mkdir(parents=True, exist_ok=True)
+        if kept:
+            path = out / "eval" / f"{held_out}.npz"
+            save_shard(path, [a for a, _, _ in kept], [t for _, t, _ in kept], [f"pseudo:{s}" for _, _, s in kept])
+            summary.shards.append(f"eval/{path.name}")
+        return summary
     train = out / "train"
     train.mkdir(parents=True, exist_ok=True)
     number = next_shard(train)
@@ -167,8 +182,6 @@ def label(
         save_shard(path, [a for a, _, _ in part], [t for _, t, _ in part], [f"pseudo:{s}" for _, _, s in part])
         summary.shards.append(path.name)
         number += 1
-    summary.kept = len(kept)
-    summary.kept_s = sum(len(a) for a, _, _ in kept) / SAMPLE_RATE_HZ
     return summary
 
 
@@ -183,13 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--min-logprob", type=float, default=MIN_LOGPROB, help="drop less certain utterances")
     parser.add_argument("--threads", type=int, default=1, help="the second pass's CPU threads")
+    parser.add_argument(
+        "--held-out", metavar="GROUP", default=None, help="write a held-out group OUT/eval/GROUP.npz instead"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the summary here too")
     args = parser.parse_args(argv)
+    if args.held_out is not None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.held_out):
+            parser.error(f"--held-out {args.held_out!r}: a group name is letters, digits, '_', '.' and '-'")
+        if (args.out / "eval" / f"{args.held_out}.npz").exists():
+            parser.error(f"{args.out / 'eval' / args.held_out}.npz exists: name another group")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     files = audio_files(args.audio)
     if not files:
         parser.error(f"no audio files in {' '.join(map(str, args.audio))} ({', '.join(AUDIO_SUFFIXES)})")
-    summary = label(files, args.out, args.final_model, args.min_logprob, args.threads)
+    summary = label(files, args.out, args.final_model, args.min_logprob, args.threads, held_out=args.held_out)
     report = vars(summary) | {"real_time_factor": summary.read_s / summary.audio_s if summary.audio_s else None}
     print(json.dumps(report, indent=2))
     if args.json:
