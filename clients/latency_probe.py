@@ -222,21 +222,25 @@ class Stream:
         return min(len(self.chunks) - 1, max(0, math.ceil(audio_ms / self.chunk_ms) - 1))
 
     async def requests(self):
-        yield pb.StreamingRecognizeRequest(config=self.config)
         if self.priority == "batch":
+            yield pb.StreamingRecognizeRequest(config=self.config)
             for i, chunk in enumerate(self.chunks):
                 self.sent_s[i] = time.monotonic()
                 yield pb.StreamingRecognizeRequest(audio=chunk)
             return
-        while True:
-            i = await self.queue.get()
-            if i is None:
-                return
+        # A realtime stream opens its session when its audio starts, as a call does when it arrives: with
+        # --ramp-s the sessions arrive over the ramp, not all at once waiting for their audio.
+        i = await self.queue.get()
+        if i is None:
+            return
+        yield pb.StreamingRecognizeRequest(config=self.config)
+        while i is not None:
             self.sent_s[i] = time.monotonic()
             yield pb.StreamingRecognizeRequest(audio=self.chunks[i])
             if i in self.finalize_after:
                 self.finalize_sent.append(time.monotonic())
                 yield pb.StreamingRecognizeRequest(control=pb.Control(type=pb.Control.FINALIZE))
+            i = await self.queue.get()
 
     async def run(self, stub, connection: Connection | None = None) -> None:
         stats = self.stats
@@ -483,7 +487,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-ms", type=int, default=10, help="realtime chunk size (20 for telephony)")
     parser.add_argument("--batch-chunk-ms", type=int, default=100, help="BATCH chunk size")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of audio per realtime session")
-    parser.add_argument("--ramp-s", type=float, default=1.0, help="spread session starts over this long")
+    parser.add_argument(
+        "--ramp-s",
+        type=float,
+        default=1.0,
+        help="spread realtime sessions' arrivals (stream and audio) over this long",
+    )
     parser.add_argument(
         "--finalize-after-ms",
         type=float,

@@ -109,3 +109,13 @@ def test_finalize_after_each_sentence_times_its_final(tmp_path):
     finalize, final = realtime["finalize_ms"], realtime["final_latency_ms"]
     assert finalize["p50"] is not None and 0 < finalize["p50"] <= finalize["max"], finalize
     assert final["max"] < EndpointingConfig().silence_ms, (final, finalize)
+
+
+def test_realtime_streams_arrive_over_the_ramp_not_all_at_once(tmp_path):
+    """Four calls a second apart, each half a second long, on a server with two slots: a call opens its session
+    when its audio starts, so never more than one is open and none is refused (opened all at once, waiting for
+    their audio, two of the four were refused RESOURCE_EXHAUSTED)."""
+    with Server("--max-sessions", "2", "--frontends", "1", "--final-model", "off") as server:
+        result, _ = run_probe(server, tmp_path, "--realtime", "4", "--ramp-s", "4", "--duration", "0.5")
+    realtime = result["classes"]["realtime"]
+    assert realtime["sessions"] == 4 and realtime["errors"] == 0, realtime
