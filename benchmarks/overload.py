@@ -15,6 +15,9 @@ alone on the last CPU with about that share of it, the frontends and the probes 
 (``benchmarks/_harness.py``). Without it, on a small host the probes and frontends saturate the cores
 before the engine does, so no signal the server has sees the backlog (docs/PERFORMANCE.md, "Overload").
 
+``--admit-lag-ms MS`` adds a configuration with the frontends' loop lag refusing as well (``serve
+--admit-lag-ms``).
+
     python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.5 --rounds 3
 """
 
@@ -114,12 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the engine's share of one CPU (emulates an engine-bound host)",
     )
+    parser.add_argument(
+        "--admit-lag-ms",
+        type=float,
+        default=None,
+        help="also run admission by load with the frontends' loop lag refusing past this (serve --admit-lag-ms)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    configs = dict(CONFIGS)
+    if args.admit_lag_ms is not None:
+        configs["load and loop lag"] = ["--admit-load", "0.9", "--admit-lag-ms", f"{args.admit_lag_ms:g}"]
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.rounds):
-        for name, flags in CONFIGS.items():  # (alternating, in one sitting)
+        for name, flags in configs.items():  # (alternating, in one sitting)
             runs[name].append(run_one(name, flags, args))
             time.sleep(1)
     dump({"config": vars(args), "runs": runs}, args.json)
