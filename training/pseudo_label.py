@@ -44,6 +44,7 @@ from cosystream.audio.endpointing import Endpointer, EndpointingConfig
 from cosystream.audio.files import UndecodableAudio
 from cosystream.audio.vad import Vad
 from cosystream.frames import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from cosystream.secondpass.whisper import EMBEDDED_WHISPER, WhisperTranscriber  # (faster-whisper: on load)
 from training.corpus import save_shard
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,6 @@ def label(
 ) -> Summary:
     """Pseudo-label ``files`` into shards under ``out/train``, or into the held-out group ``out/eval/held_out``
     (see the module docstring)."""
-    from cosystream.secondpass.whisper import WhisperTranscriber  # the 'whisper' extra
-
     summary = Summary()
     pending: list[tuple[np.ndarray, str]] = []  # (utterance, its file)
     for path in files:
@@ -169,20 +168,21 @@ def label(
     if held_out is not None:
         (out / "eval").mkdir(parents=True, exist_ok=True)
         if kept:
-            path = out / "eval" / f"{held_out}.npz"
-            save_shard(path, [a for a, _, _ in kept], [t for _, t, _ in kept], [f"pseudo:{s}" for _, _, s in kept])
-            summary.shards.append(f"eval/{path.name}")
+            summary.shards.append(f"eval/{_save(out / 'eval' / f'{held_out}.npz', kept)}")
         return summary
     train = out / "train"
     train.mkdir(parents=True, exist_ok=True)
     number = next_shard(train)
     for start in range(0, len(kept), shard_size):
-        part = kept[start : start + shard_size]
-        path = train / f"shard_pl_{number:05d}.npz"
-        save_shard(path, [a for a, _, _ in part], [t for _, t, _ in part], [f"pseudo:{s}" for _, _, s in part])
-        summary.shards.append(path.name)
+        summary.shards.append(_save(train / f"shard_pl_{number:05d}.npz", kept[start : start + shard_size]))
         number += 1
     return summary
+
+
+def _save(path: Path, kept: list[tuple[np.ndarray, str, str]]) -> str:
+    """(audio, text, source file) as one shard at ``path``, each utterance's voice its source; its name."""
+    save_shard(path, [a for a, _, _ in kept], [t for _, t, _ in kept], [f"pseudo:{s}" for *_, s in kept])
+    return path.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the corpus directory (shards go to OUT/train)")
     parser.add_argument(
         "--final-model",
-        default="embedded:whisper-tiny-en",
+        default=EMBEDDED_WHISPER,
         help="the second-pass model that labels (as serve --final-model: embedded:NAME or a CTranslate2 directory)",
     )
     parser.add_argument("--min-logprob", type=float, default=MIN_LOGPROB, help="drop less certain utterances")
