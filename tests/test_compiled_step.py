@@ -300,7 +300,8 @@ def test_serve_compiles_in_the_background_and_swaps_each_shape_in_mid_stream(tmp
         expected = transcribe(served.stub(), utterance)
     assert "stella" in expected, expected
     with Served(*flags, background_compile=True) as served:
-        assert "cs-compiler" in served.pids()
+        # (spawned as "python", it takes its name once it runs)
+        served.wait(lambda: "cs-compiler" in served.pids(), 60, "cs-compiler started")
         assert transcribe(served.stub(), utterance) == expected  # served before any shape is compiled
         assert served.metric("cosystream_compiled_shapes") < shapes
         compiled_all = threading.Event()
