@@ -74,6 +74,20 @@ def test_the_load_of_sessions_just_ended_is_not_charged_to_those_left():
     assert headroom.refuse(1, cost) is None
 
 
+def test_a_step_cost_guessed_past_linear_prices_one_more_session_no_more_than_linearly():
+    """The cost model's guess for a bucket never measured (its fitted line), or a noisy one, can put a step of
+    one more row at many times the cost of the steps measured; no step costs more than linearly more."""
+    headroom = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    for _ in range(4):
+        headroom.observe(0.4, rows=8, frames=1, sessions=8, compute=0.2)  # eight calls, half of it steps
+
+    def wild(rows: int, frames: int) -> float:
+        return 0.001 if rows <= 8 else 0.055  # (9 rows: guessed at 55x)
+
+    assert headroom.projected(8, wild) == pytest.approx(0.4 * 9 / 8)
+    assert headroom.refuse(8, wild) is None
+
+
 def test_sessions_admitted_since_the_windows_are_priced_before_their_speech_reaches_the_load():
     """A ramp of arrivals: the windows measured ten sessions' steps, ten more were admitted since (their
     audio not stepped yet). One more is priced as a step of 21 sessions' rows, not of 11."""
@@ -197,6 +211,12 @@ def test_calls_that_end_during_the_windows_leave_their_load_to_the_sessions_that
     )
     core = EngineCore([tiny(1, 0)], config_, torch.device("cpu"), None, ["m"], None, clock)
     realtime = int(Priority.REALTIME)
+    warm = list(range(200, 212))  # (torch's first steps take a second: out of the windows below)
+    send(core, [ipc.Open(key, realtime, 0) for key in warm], {key: FRAMES[:1] for key in warm})
+    send(core, [ipc.Close(key) for key in warm])
+    for _ in range(4):
+        clock.now += 0.5
+        core.observe_load(0.0)
     first = list(range(12))
     box = send(core, [ipc.Open(key, realtime, 0) for key in first])
     assert [type(e) for e in box.events] == [ipc.Opened] * 12
