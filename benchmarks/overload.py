@@ -16,7 +16,8 @@ alone on the last CPU with about that share of it, the frontends and the probes 
 before the engine does, so no signal the server has sees the backlog (docs/PERFORMANCE.md, "Overload").
 
 ``--admit-lag-ms MS`` adds a configuration with the frontends' loop lag refusing as well (``serve
---admit-lag-ms``).
+--admit-lag-ms``), ``--admit-late-ms MS`` one with their audio lateness (``serve --admit-late-ms``); every
+configuration reports the lateness (``LoadStatus.audio_late_ms``, sampled every 0.25 s: median and max).
 
     python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.5 --rounds 3
 """
@@ -39,14 +40,22 @@ CONFIGS = {"alone": ["--admit-load", "0.9"], "admission by load": ["--admit-load
 CONFIGS["by count only"] = ["--admit-load", "0"]
 
 
-def sample_load(server: Server, stop: threading.Event, loads: list[float]) -> None:
-    """``cosystream_engine_load`` every 0.25 s until ``stop``."""
-    while not stop.wait(0.25):
-        try:
-            text = urllib.request.urlopen(server.metrics_url, timeout=2).read().decode()
-        except OSError:
-            continue
-        loads.extend(float(v) for v in re.findall(r'^cosystream_engine_load\{engine="0"\} (\S+)$', text, re.M))
+def sample_load(server: Server, stop: threading.Event, loads: list[float], late: list[float]) -> None:
+    """``cosystream_engine_load`` and ``LoadStatus.audio_late_ms`` (GetServerInfo) every 0.25 s until ``stop``."""
+    import grpc
+
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CosyStreamStub(channel)
+        while not stop.wait(0.25):
+            try:
+                text = urllib.request.urlopen(server.metrics_url, timeout=2).read().decode()
+                late.append(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).load.audio_late_ms)
+            except (OSError, grpc.RpcError):
+                continue
+            loads.extend(float(v) for v in re.findall(r'^cosystream_engine_load\{engine="0"\} (\S+)$', text, re.M))
 
 
 def run_flood(server: Server, args: argparse.Namespace, results: list[dict]) -> None:
@@ -68,8 +77,9 @@ def run_one(name: str, flags: list[str], args: argparse.Namespace) -> dict:
     serve = ["--max-sessions", limit, "--frontends", str(args.frontends), *flags]
     with Server(*serve, engine_share=args.engine_share) as server:
         loads: list[float] = []
+        late: list[float] = []
         stop = threading.Event()
-        threading.Thread(target=sample_load, args=(server, stop, loads), daemon=True).start()
+        threading.Thread(target=sample_load, args=(server, stop, loads, late), daemon=True).start()
         floods: list[dict] = []
         flood = threading.Thread(target=run_flood, args=(server, args, floods))
         if name != "alone":
@@ -87,6 +97,8 @@ def run_one(name: str, flags: list[str], args: argparse.Namespace) -> dict:
         "base_deadline_misses": rt["deadline_misses"],
         "engine_load_median": statistics.median(loads) if loads else None,
         "engine_load_max": max(loads) if loads else None,
+        "audio_late_ms_median": statistics.median(late) if late else None,
+        "audio_late_ms_max": max(late) if late else None,
         "server_cpu_s": cpu_s,
     }
     if flood_result is not None:
@@ -123,12 +135,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also run admission by load with the frontends' loop lag refusing past this (serve --admit-lag-ms)",
     )
+    parser.add_argument(
+        "--admit-late-ms",
+        type=float,
+        default=None,
+        help="also run admission by load with the frontends' audio lateness refusing past this "
+        "(serve --admit-late-ms)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     configs = dict(CONFIGS)
     if args.admit_lag_ms is not None:
         configs["load and loop lag"] = ["--admit-load", "0.9", "--admit-lag-ms", f"{args.admit_lag_ms:g}"]
+    if args.admit_late_ms is not None:
+        configs["load and audio lateness"] = ["--admit-load", "0.9", "--admit-late-ms", f"{args.admit_late_ms:g}"]
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, flags in configs.items():  # (alternating, in one sitting)
@@ -137,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     dump({"config": vars(args), "runs": runs}, args.json)
     print(
         f"\n{'':<18} {'base p50':>9} {'base p99':>9} {'misses':>7} {'admitted':>9} {'refused':>8} "
-        f"{'arr. p99':>9} {'batch err':>9} {'batch x rt':>10} {'load med/max':>13}"
+        f"{'arr. p99':>9} {'batch err':>9} {'batch x rt':>10} {'load med/max':>13} {'late ms med/max':>15}"
     )
     for name, rounds in runs.items():
         for run in rounds:
@@ -146,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             load = (
                 f"{run['engine_load_median']:.2f}/{run['engine_load_max']:.2f}" if run["engine_load_max"] else "-"
             )
+            late = run.get("audio_late_ms_max")
+            late = "-" if late is None else f"{run['audio_late_ms_median']:.0f}/{late:.0f}"
             print(
                 f"{name:<18} {run['base_p50_ms']:>9.1f} {run['base_p99_ms']:>9.1f} "
                 f"{run['base_deadline_misses']:>7} {run.get('arrivals_admitted', '-')!s:>9} "
                 f"{run.get('arrivals_refused', '-')!s:>8} {'-' if arrivals_p99 is None else f'{arrivals_p99:.1f}':>9} "
-                f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13}"
+                f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13} {late:>15}"
             )
     medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
     alone = medians["alone"]

@@ -5,6 +5,7 @@ core, and on a real ``cosystream serve``."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -345,21 +346,26 @@ def test_the_loop_lag_is_the_median_lateness_of_the_last_two_seconds():
     assert 0.08 < asyncio.run(measure(0.1)) < 0.3
 
 
-def test_a_frontend_behind_refuses_realtime_with_a_retry_delay_and_serves_batch():
+@contextlib.contextmanager
+def local_stub(**stream_options):
+    """A stub of an in-process server (4 slots) whose streams take ``stream_options``."""
     from cosystream.app.local import LocalServer
     from cosystream.engine.config import EngineConfig as Engine
     from cosystream.frontend.host import StreamOptions
     from cosystream.server.frontend import FrontendConfig
 
-    # A limit no loop meets (any wake-up is later than 1 us): the frontend counts as behind once it has sampled.
-    stream = StreamOptions(idle_timeout_s=5.0, admit_lag_s=1e-6)
+    stream = StreamOptions(idle_timeout_s=5.0, **stream_options)
     frontend = FrontendConfig(host="127.0.0.1", port=0, stream=stream)
-    engine = Engine(max_sessions=4, max_batch=4)
     with (
-        LocalServer(frontend_config=frontend, engine=engine) as server,
+        LocalServer(frontend_config=frontend, engine=Engine(max_sessions=4, max_batch=4)) as server,
         grpc.insecure_channel(server.address) as channel,
     ):
-        stub = pb_grpc.CosyStreamStub(channel)
+        yield pb_grpc.CosyStreamStub(channel)
+
+
+def test_a_frontend_behind_refuses_realtime_with_a_retry_delay_and_serves_batch():
+    # A limit no loop meets (any wake-up is later than 1 us): the frontend counts as behind once it has sampled.
+    with local_stub(admit_lag_s=1e-6) as stub:
         run_stream(stub, config(), bytes(3200))  # (the first starts the sampling)
         time.sleep(2.5)
         with pytest.raises(grpc.RpcError) as refused:
@@ -370,3 +376,29 @@ def test_a_frontend_behind_refuses_realtime_with_a_retry_delay_and_serves_batch(
         run_stream(stub, config(priority=pb.BATCH), bytes(3200))  # BATCH: served
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         assert info.load.frontend_lag_ms > 0.001
+
+
+def test_a_frontend_that_reads_realtime_audio_late_refuses_realtime_until_it_catches_up():
+    """Audio read behind real time (here: a client that sends at half of it; for the frontend, the same as
+    chunks waiting in its sockets) refuses new REALTIME sessions past ``admit_late_s``, with a retry delay;
+    BATCH is served, GetServerInfo reports the lateness, and once the late stream ends, REALTIME is taken."""
+    import threading
+
+    with local_stub(admit_late_s=0.8) as stub:
+        run_stream(stub, config(), bytes(3200 * 10), pace_s=0.1)  # (read as it is spoken: no refusal after)
+        assert stub.GetServerInfo(pb.GetServerInfoRequest()).load.audio_late_ms == 0
+        slow = threading.Thread(target=run_stream, args=(stub, config(), bytes(3200 * 20)), kwargs={"pace_s": 0.2})
+        slow.start()
+        time.sleep(1.0)
+        run_stream(stub, config(), bytes(3200))  # 0.5 s behind after 1 s: under the limit, taken
+        time.sleep(1.5)
+        with pytest.raises(grpc.RpcError) as refused:  # 1.25 s behind
+            run_stream(stub, config(), bytes(3200))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "reads their audio" in refused.value.details() and "limit 800 ms" in refused.value.details()
+        assert retry_after_s(refused.value.trailing_metadata()) == RETRY_AFTER_S
+        run_stream(stub, config(priority=pb.BATCH), bytes(3200))  # BATCH: served
+        assert stub.GetServerInfo(pb.GetServerInfoRequest()).load.audio_late_ms > 1000
+        slow.join(10)
+        assert stub.GetServerInfo(pb.GetServerInfoRequest()).load.audio_late_ms == 0
+        run_stream(stub, config(), bytes(3200))

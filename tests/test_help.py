@@ -60,6 +60,7 @@ def test_every_flag_has_help_and_shows_its_default():
         ("--resume-window-s", StreamOptions().resume_window_s),
         ("--realtime-burst-s", StreamOptions().realtime_burst_s),
         ("--admit-lag-ms", StreamOptions().admit_lag_s * 1000),
+        ("--admit-late-ms", StreamOptions().admit_late_s * 1000),
         ("--max-failures", RestartPolicy().max_failures),
         ("--restart-window-s", RestartPolicy().window_s),
         ("--silence-ms", EndpointingConfig().silence_ms),

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from cosystream.audio.endpointing import EndpointingConfig
@@ -23,6 +24,7 @@ from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.frontend.engine_client import Engine
+from cosystream.frontend.lateness import ADMIT_LATE_S, median_late_s
 from cosystream.frontend.live import RESUME_REPLAY, TAKEN, LiveSession, StreamState
 from cosystream.frontend.loop_lag import ADMIT_LAG_S, LoopLag
 from cosystream.frontend.model_decoders import ModelDecoders
@@ -65,6 +67,9 @@ class StreamOptions:
     second_pass: SecondPassConfig | None = None
     # New REALTIME sessions refused while this frontend's event loop runs later than this (loop_lag.py); 0: off.
     admit_lag_s: float = ADMIT_LAG_S
+    # New REALTIME sessions refused while its REALTIME streams' audio is read later than this, the median
+    # (lateness.py); 0: off.
+    admit_late_s: float = ADMIT_LATE_S
     # Named vocabularies (serve --vocabulary NAME=FILE): name -> its phrases (decoding.phrases.read_vocabulary).
     vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
     # Per-utterance traces over OTLP (serve --otlp-endpoint, --trace-sample; tracing.py); None: off.
@@ -82,6 +87,8 @@ class StreamOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.admit_lag_s < math.inf:
             raise ValueError(f"--admit-lag-ms must be >= 0 (0: off), got {self.admit_lag_s * 1000:g}")
+        if not 0 <= self.admit_late_s < math.inf:
+            raise ValueError(f"--admit-late-ms must be >= 0 (0: off), got {self.admit_late_s * 1000:g}")
         if not 0 < self.resume_window_s < math.inf:
             raise ValueError(f"--resume-window-s must be > 0, got {self.resume_window_s:g}")
         if not self.realtime_burst_s >= 0:
@@ -167,6 +174,17 @@ class SessionHost:
     def active_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def audio_late_s(self) -> float:
+        """How far behind real time this frontend reads its REALTIME streams' audio, the median
+        (``lateness.py``; streams held for a resume, or no longer sending, left out)."""
+        clocks = (
+            stream.clock
+            for stream in self._streams
+            if stream.clock is not None and stream.state == StreamState.STREAMING and not stream.detached.is_set()
+        )
+        return median_late_s(clocks, time.monotonic())
+
     def model_by_id(self, model: int) -> ModelInfo | None:
         return self.engine.model_by_id(model)
 
@@ -207,6 +225,17 @@ class SessionHost:
                 "overloaded",
                 RETRY_AFTER_S,
             )
+        if config.priority == Priority.REALTIME and self.options.admit_late_s:
+            late_s = self.audio_late_s
+            if late_s > self.options.admit_late_s:
+                raise Refused(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"the server is at capacity for realtime sessions (its frontend reads their audio "
+                    f"{late_s * 1000:.0f} ms behind real time, limit {self.options.admit_late_s * 1000:g} ms); "
+                    f"retry in {RETRY_AFTER_S:g} s or on another server",
+                    "overloaded",
+                    RETRY_AFTER_S,
+                )
         return config
 
     def start(self, stream: LiveSession) -> None:

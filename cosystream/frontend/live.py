@@ -29,6 +29,7 @@ from cosystream.decoding.phrases import PhraseError
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
 from cosystream.frontend.final_pass import MAX_AUDIO_S, FinalPass
+from cosystream.frontend.lateness import AudioClock
 from cosystream.frontend.quota import Claim, QuotaExceeded, Token
 from cosystream.frontend.responses import ResponseQueue
 from cosystream.frontend.session import AudioPacer, Session, SessionConfig
@@ -162,6 +163,8 @@ class LiveSession:
             trace_parent=trace_parent,
         )
         self.session.thin_interims = host.thin_interims
+        # How far behind real time its audio is read (lateness.py): a REALTIME stream's, for admission.
+        self.clock = AudioClock() if config.priority == Priority.REALTIME else None
         self.reader: asyncio.Task | None = None  # the transport's task reading the connection (a cut stops it)
         self.handler: asyncio.Task | None = None  # the transport's task sending (a stuck one is cancelled)
         self.token = token
@@ -504,6 +507,7 @@ class LiveSession:
         """The client's next audio; False once the session reads no more (ended, cut, handed over)."""
         session = self.session
         limit = self.host.options.max_in_flight_frames
+        received_s = self.last_request_s
         if self.skip_bytes:  # (resumed: what the session already has)
             skipped = min(self.skip_bytes, len(audio))
             audio, self.skip_bytes = audio[skipped:], self.skip_bytes - skipped
@@ -523,6 +527,8 @@ class LiveSession:
                 self.cut(Status.INVALID_ARGUMENT, str(err))
                 return False
             self.consumed_bytes += min(AUDIO_SLICE_BYTES, len(audio) - offset)
+            if self.clock is not None:
+                self.clock.read(received_s, (session.audio_samples - heard) / SAMPLE_RATE_HZ)
             if self.audio is not None:
                 self.audio.spend((session.audio_samples - heard) / SAMPLE_RATE_HZ)
             while session.backlog_frames > limit and self.state < StreamState.ENDED:

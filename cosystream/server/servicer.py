@@ -197,14 +197,16 @@ def _wire(config: pb.StreamingConfig) -> bytes:
     return wire.SerializeToString()
 
 
-def load_status(loads: list[LoadReport | None], lag_s: float = 0.0) -> pb.LoadStatus:
+def load_status(loads: list[LoadReport | None], lag_s: float = 0.0, late_s: float = 0.0) -> pb.LoadStatus:
     """The engines' load reports as GetServerInfo gives them: the most loaded engine's load, counts summed,
-    overloaded when every engine reporting is; ``lag_s``: the answering frontend's loop lag."""
+    overloaded when every engine reporting is; ``lag_s``: the answering frontend's loop lag, ``late_s``: how
+    late it reads its realtime audio."""
     known = [load for load in loads if load is not None]
     if not known:
-        return pb.LoadStatus(frontend_lag_ms=lag_s * 1000)
+        return pb.LoadStatus(frontend_lag_ms=lag_s * 1000, audio_late_ms=late_s * 1000)
     return pb.LoadStatus(
         frontend_lag_ms=lag_s * 1000,
+        audio_late_ms=late_s * 1000,
         engine_load=max(load.load for load in known),
         realtime_sessions=sum(load.realtime for load in known),
         batch_sessions=sum(load.batch for load in known),
@@ -500,7 +502,7 @@ class CosyStreamServicer(SessionHost, pb_grpc.CosyStreamServicer):
             device=info.device,
             final_model=self.second_pass.config.model if self.second_pass and self.second_pass.enabled else "",
             vocabularies=sorted(self.vocabularies),
-            load=load_status(self.engine.loads(), self.lag.median_s),
+            load=load_status(self.engine.loads(), self.lag.median_s, self.audio_late_s),
             default_endpointing=pb.EndpointingConfig(
                 silence_ms=defaults.silence_ms,
                 max_utterance_ms=defaults.max_utterance_ms,

@@ -157,6 +157,14 @@ def _engine(parser: argparse.ArgumentParser) -> None:
         "(RESOURCE_EXHAUSTED with a retry delay); GetServerInfo reports the lag either way (default 0: off)",
     )
     parser.add_argument(
+        "--admit-late-ms",
+        type=float,
+        default=None,
+        help="a frontend that reads its REALTIME streams' audio this far behind real time (the median over "
+        "them) refuses new REALTIME sessions (RESOURCE_EXHAUSTED with a retry delay); GetServerInfo reports "
+        "the lateness either way (default 0: off)",
+    )
+    parser.add_argument(
         "--overload-window-s",
         type=float,
         default=None,
