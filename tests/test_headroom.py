@@ -402,3 +402,27 @@ def test_a_frontend_that_reads_realtime_audio_late_refuses_realtime_until_it_cat
         slow.join(10)
         assert stub.GetServerInfo(pb.GetServerInfoRequest()).load.audio_late_ms == 0
         run_stream(stub, config(), bytes(3200))
+
+
+def test_a_frontend_reading_realtime_audio_late_reads_batch_no_faster_than_real_time():
+    """BATCH is shed first on the frontend too: while its REALTIME audio is read late, a BATCH stream is read
+    at real time, not as fast as it is sent, and still ends OK; at full speed again once realtime is on time."""
+    import threading
+
+    audio = bytes(3200 * 30)  # 3 s
+
+    def batch_s() -> float:
+        started = time.monotonic()
+        run_stream(stub, config(priority=pb.BATCH), audio)
+        return time.monotonic() - started
+
+    with local_stub() as stub:
+        alone_s = batch_s()
+        slow = threading.Thread(target=run_stream, args=(stub, config(), bytes(3200 * 40)), kwargs={"pace_s": 0.2})
+        slow.start()  # (half of real time for 8 s: 0.5 s behind after 1 s)
+        time.sleep(1.0)
+        behind_s = batch_s()
+        slow.join(15)
+        again_s = batch_s()
+    assert alone_s < 1.5 and again_s < 1.5, (alone_s, again_s)
+    assert behind_s > 2.5, behind_s

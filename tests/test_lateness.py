@@ -22,8 +22,8 @@ def test_a_stream_read_as_it_is_spoken_is_not_late_whatever_its_chunks():
         clock = fed(chunks)
         last = chunks[-1][0]
         assert clock.late_s(last) == pytest.approx(0, abs=1e-9)
-        # (its next chunk is due, not late; the least lateness rose by what it forgot meanwhile)
-        assert clock.late_s(last + chunk_s) == pytest.approx(chunk_s * (1 - FORGET_PER_S))
+        assert clock.late_s(last + chunk_s) == pytest.approx(0, abs=1e-9)  # (its next chunk is due, not late)
+        assert clock.late_s(last + chunk_s + 0.5) == pytest.approx(0.5 - FORGET_PER_S * (chunk_s + 0.5))
 
 
 def test_a_stream_read_slower_than_real_time_falls_behind_by_what_is_left_unread():
@@ -31,7 +31,7 @@ def test_a_stream_read_slower_than_real_time_falls_behind_by_what_is_left_unread
     chunks = [(100 + (i + 1) * 0.1, 0.1) for i in range(20)]
     chunks += [(102 + (i + 1) * 0.125, 0.1) for i in range(40)]
     clock = fed(chunks)
-    assert clock.late_s(107.0) == pytest.approx(1.0 - FORGET_PER_S * 5, abs=0.01)
+    assert clock.late_s(107.0 + 0.1) == pytest.approx(1.0 - FORGET_PER_S * 5.1, abs=0.01)
 
 
 def test_a_client_that_starts_ahead_or_behind_is_measured_from_where_it_settles():
@@ -44,10 +44,10 @@ def test_a_client_that_starts_ahead_or_behind_is_measured_from_where_it_settles(
 def test_a_pause_in_sending_is_late_until_it_is_forgotten():
     # Discontinuous transmission: 3 s of silence not sent, then real time again.
     clock = fed([(100 + (i + 1) * 0.1, 0.1) for i in range(20)])
-    assert clock.late_s(105.0) == pytest.approx(3.0 * (1 - FORGET_PER_S))  # (in the pause: behind by it)
+    assert clock.late_s(105.0) == pytest.approx(2.9 - FORGET_PER_S * 3)  # (in the pause: behind by it)
     for i in range(300):
         clock.read(105 + (i + 1) * 0.1, 0.1)
-    assert clock.late_s(135.0) == pytest.approx(3.0 - FORGET_PER_S * 33)
+    assert clock.late_s(135.1) == pytest.approx(3.0 - FORGET_PER_S * 33.1)
     for i in range(1200):
         clock.read(135 + (i + 1) * 0.1, 0.1)
     assert clock.late_s(255.0) == pytest.approx(0, abs=1e-6)
@@ -59,4 +59,4 @@ def test_the_frontends_lateness_is_the_median_of_its_streams():
     assert median_late_s([], 102.0) == 0
     assert median_late_s([*on_time, AudioClock()], 102.0) == pytest.approx(0)  # (no audio yet: not counted)
     assert median_late_s([*on_time, *late], 102.0) == pytest.approx(0)
-    assert median_late_s([*late, on_time[0]], 102.0) == pytest.approx(1.0 * (1 - FORGET_PER_S))
+    assert median_late_s([*late, on_time[0]], 102.1) == pytest.approx(1.0 - FORGET_PER_S * 1.1)

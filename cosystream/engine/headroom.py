@@ -141,10 +141,12 @@ class Headroom:
         more_sessions = (realtime + 1) / max(1.0, sessions)
         target = rows * more_sessions
         now, more = (math.inf, math.inf) if cost is None else (cost(rows, frames), cost(math.ceil(target), frames))
-        # Linear is the most a step can grow by (its fixed part only shrinks the ratio): a noisy EMA of one
-        # bucket, or the fitted line's guess for a bucket never measured, must not price a session above it
-        # (measured: a 9-row step guessed at 55x an 8-row one closed the door at 7 of 16 sessions).
-        growth = min(more / now, more_sessions) if 0 < now < math.inf and more < math.inf else more_sessions
+        # Linear in its rows is the most a step can grow by (its fixed part only shrinks the ratio), and a step
+        # of fewer rows costs no more than the steps measured: a noisy EMA of one bucket, or the fitted line's
+        # guess for a bucket never measured, must not price a session above that (measured: a 9-row step
+        # guessed at 55x an 8-row one closed the door at 7 of 16 sessions).
+        bound = max(1.0, math.ceil(target) / rows)
+        growth = min(more / now, bound) if 0 < now < math.inf and more < math.inf else more_sessions
         compute = sum(window[4] for window in self._recent) / len(self._recent)
         return compute * growth + (self.recent - compute) * more_sessions
 

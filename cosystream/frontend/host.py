@@ -24,7 +24,7 @@ from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.frontend.engine_client import Engine
-from cosystream.frontend.lateness import ADMIT_LATE_S, median_late_s
+from cosystream.frontend.lateness import ADMIT_LATE_S, BATCH_SLOW_LATE_S, CHECK_S, median_late_s
 from cosystream.frontend.live import RESUME_REPLAY, TAKEN, LiveSession, StreamState
 from cosystream.frontend.loop_lag import ADMIT_LAG_S, LoopLag
 from cosystream.frontend.model_decoders import ModelDecoders
@@ -121,6 +121,8 @@ class SessionHost:
         self.metrics = metrics or FrontendMetrics()
         self.vocabularies = dict(options.vocabularies)
         self.lag = LoopLag()  # (sampling from the first stream on)
+        self.batch_slowed = False  # BATCH streams read at most at real time while REALTIME audio is late
+        self._late_checked_s = 0.0
         self.draining = False
         self._streams: set[LiveSession] = set()
         self._resumable: dict[str, LiveSession] = {}  # resume token -> its stream, held or attached
@@ -184,6 +186,26 @@ class SessionHost:
             if stream.clock is not None and stream.state == StreamState.STREAMING and not stream.detached.is_set()
         )
         return median_late_s(clocks, time.monotonic())
+
+    async def batch_turn(self, audio_s: float) -> bool:
+        """A BATCH stream just read ``audio_s`` seconds of audio: while this frontend reads its REALTIME audio
+        late, wait as long (BATCH read at real time, not faster); True if it waited."""
+        now = time.monotonic()
+        if now - self._late_checked_s >= CHECK_S:
+            self._late_checked_s = now
+            late_s = self.audio_late_s
+            if (late_s > BATCH_SLOW_LATE_S) != self.batch_slowed:
+                self.batch_slowed = not self.batch_slowed
+                log.log(
+                    logging.WARNING if self.batch_slowed else logging.INFO,
+                    "BATCH streams of this frontend %s: its realtime audio is read %.0f ms behind real time",
+                    "read no faster than real time" if self.batch_slowed else "read at full speed again",
+                    late_s * 1000,
+                )
+        if not self.batch_slowed or audio_s <= 0:
+            return False
+        await asyncio.sleep(audio_s)
+        return True
 
     def model_by_id(self, model: int) -> ModelInfo | None:
         return self.engine.model_by_id(model)

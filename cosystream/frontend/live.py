@@ -108,6 +108,8 @@ class Host(Protocol):
 
     def forget(self, session: LiveSession) -> None: ...
 
+    async def batch_turn(self, audio_s: float) -> bool: ...
+
 
 class LiveSession:
     """One stream's session, held by ``host``; ``token``: who opened it (None: authentication is off)."""
@@ -529,6 +531,12 @@ class LiveSession:
             self.consumed_bytes += min(AUDIO_SLICE_BYTES, len(audio) - offset)
             if self.clock is not None:
                 self.clock.read(received_s, (session.audio_samples - heard) / SAMPLE_RATE_HZ)
+            elif self.priority == Priority.BATCH and await self.host.batch_turn(
+                (session.audio_samples - heard) / SAMPLE_RATE_HZ
+            ):  # (realtime audio late: read slower; the wait is the server's, not the client's idleness)
+                self.last_request_s = time.monotonic()
+                if self.state != StreamState.STREAMING:
+                    return False
             if self.audio is not None:
                 self.audio.spend((session.audio_samples - heard) / SAMPLE_RATE_HZ)
             while session.backlog_frames > limit and self.state < StreamState.ENDED:
