@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,19 @@ class ModelSource:
     @property
     def directory(self) -> Path:
         return Path(self.path) if self.path is not None else DEFAULT_MODEL_DIR
+
+
+def user_cache_dir(name: str) -> Path:
+    """``$XDG_CACHE_HOME/cosystream/NAME`` (``~/.cache`` without it); with no home at all, a folder of this
+    user's own under the temporary directory (a shared ``/tmp/cosystream`` would let another local user plant
+    files in it)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
+            return Path(tempfile.gettempdir()) / f"cosystream-{os.getuid()}" / name
+    return Path(base) / "cosystream" / name
 
 
 def embedded_model(name: str) -> str | None:

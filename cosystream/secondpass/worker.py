@@ -52,7 +52,7 @@ WARMUP_TIMEOUT_S = 120.0
 class SecondPassConfig:
     """``serve --final-model`` and ``--final-deadline-ms``."""
 
-    model: str  # a CTranslate2 Whisper directory, or "embedded:whisper-tiny-en"
+    model: str  # a CTranslate2 Whisper directory, or "embedded:whisper-tiny-en" / "embedded:whisper-base"
     deadline_ms: int = 3000  # from an utterance's end to its final at the latest
     max_queued: int = 32  # jobs waiting; past it an utterance keeps its streaming final
     max_batch: int = 8  # utterances read in one call
