@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:<18} {run['base_p50_ms']:>9.1f} {run['base_p99_ms']:>9.1f} "
                 f"{run['base_deadline_misses']:>7} {run.get('arrivals_admitted', '-')!s:>9} "
                 f"{run.get('arrivals_refused', '-')!s:>8} {'-' if arrivals_p99 is None else f'{arrivals_p99:.1f}':>9} "
-                f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13} {late:>15}"
+                f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13} "
+                f"{late:>15}"
             )
     medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
     alone = medians["alone"]

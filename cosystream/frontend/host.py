@@ -237,28 +237,28 @@ class SessionHost:
         if not self.engine.connected:
             raise Refused(Status.UNAVAILABLE, "the engine is restarting; retry in a moment", None)
         self.lag.start()
-        lag_s = self.lag.median_s
-        if config.priority == Priority.REALTIME and self.options.admit_lag_s and lag_s > self.options.admit_lag_s:
+        if config.priority == Priority.REALTIME and (behind := self._behind()):
             raise Refused(
                 Status.RESOURCE_EXHAUSTED,
-                f"the server is at capacity for realtime sessions (its frontend runs {lag_s * 1000:.0f} ms "
-                f"behind, limit {self.options.admit_lag_s * 1000:g} ms); retry in {RETRY_AFTER_S:g} s or on "
+                f"the server is at capacity for realtime sessions ({behind}); retry in {RETRY_AFTER_S:g} s or on "
                 "another server",
                 "overloaded",
                 RETRY_AFTER_S,
             )
-        if config.priority == Priority.REALTIME and self.options.admit_late_s:
-            late_s = self.audio_late_s
-            if late_s > self.options.admit_late_s:
-                raise Refused(
-                    Status.RESOURCE_EXHAUSTED,
-                    f"the server is at capacity for realtime sessions (its frontend reads their audio "
-                    f"{late_s * 1000:.0f} ms behind real time, limit {self.options.admit_late_s * 1000:g} ms); "
-                    f"retry in {RETRY_AFTER_S:g} s or on another server",
-                    "overloaded",
-                    RETRY_AFTER_S,
-                )
         return config
+
+    def _behind(self) -> str | None:
+        """How this frontend runs past a limit set for new REALTIME sessions (its event loop's lag, or how
+        late it reads its realtime audio); None: within them."""
+        options = self.options
+        if options.admit_lag_s and (lag_s := self.lag.median_s) > options.admit_lag_s:
+            return f"its frontend runs {lag_s * 1000:.0f} ms behind, limit {options.admit_lag_s * 1000:g} ms"
+        if options.admit_late_s and (late_s := self.audio_late_s) > options.admit_late_s:
+            return (
+                f"its frontend reads their audio {late_s * 1000:.0f} ms behind real time, "
+                f"limit {options.admit_late_s * 1000:g} ms"
+            )
+        return None
 
     def start(self, stream: LiveSession) -> None:
         """Open a new ``stream`` (made for an admitted config): held from here until :meth:`close`, its token's

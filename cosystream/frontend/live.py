@@ -529,16 +529,16 @@ class LiveSession:
                 self.cut(Status.INVALID_ARGUMENT, str(err))
                 return False
             self.consumed_bytes += min(AUDIO_SLICE_BYTES, len(audio) - offset)
+            read_s = (session.audio_samples - heard) / SAMPLE_RATE_HZ
             if self.clock is not None:
-                self.clock.read(received_s, (session.audio_samples - heard) / SAMPLE_RATE_HZ)
-            elif self.priority == Priority.BATCH and await self.host.batch_turn(
-                (session.audio_samples - heard) / SAMPLE_RATE_HZ
-            ):  # (realtime audio late: read slower; the wait is the server's, not the client's idleness)
+                self.clock.read(received_s, read_s)
+            elif self.priority == Priority.BATCH and await self.host.batch_turn(read_s):
+                # (realtime audio late: read slower; the wait is the server's, not the client's idleness)
                 self.last_request_s = time.monotonic()
                 if self.state != StreamState.STREAMING:
                     return False
             if self.audio is not None:
-                self.audio.spend((session.audio_samples - heard) / SAMPLE_RATE_HZ)
+                self.audio.spend(read_s)
             while session.backlog_frames > limit and self.state < StreamState.ENDED:
                 self.progress.clear()
                 await self.progress.wait()

