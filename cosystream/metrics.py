@@ -139,6 +139,12 @@ def _metrics() -> dict:
         "the streaming final stands), late, failed, cancelled, refused (queue full or off).",
         ["outcome"],
     )
+    SECOND_PASS_EARLY = Counter(
+        "cosystream_second_pass_early",
+        "Utterances read early, at a pause before their end (serve --final-early-ms), by outcome: kept (the "
+        "utterance ended on that pause: the read is its final's) or dropped (the speech went on).",
+        ["outcome"],
+    )
     SECOND_PASS_SECONDS = Histogram(
         "cosystream_second_pass_seconds",
         "From an utterance queued for the second pass to its answer (used or gated).",
@@ -277,6 +283,8 @@ class SecondPassMetrics:
         self._m = _metrics()
         for outcome in SECOND_PASS_OUTCOMES:
             self._m["SECOND_PASS_JOBS"].labels(outcome)
+        for outcome in ("kept", "dropped"):
+            self._m["SECOND_PASS_EARLY"].labels(outcome)
 
     def job_ended(self, outcome: str, seconds: float) -> None:
         self._m["SECOND_PASS_JOBS"].labels(outcome).inc()
@@ -285,6 +293,9 @@ class SecondPassMetrics:
 
     def batch_read(self, size: int, seconds: float) -> None:
         self._m["SECOND_PASS_BATCH"].observe(size)
+
+    def early_ended(self, kept: bool) -> None:
+        self._m["SECOND_PASS_EARLY"].labels("kept" if kept else "dropped").inc()
 
 
 # Per GPU, labels gpu (NVML's index), name and uuid: (name, help, GpuReading field).

@@ -289,6 +289,9 @@ class _Observed:
     def batch_read(self, size: int, seconds: float) -> None:
         self.batches.append(size)
 
+    def early_ended(self, kept: bool) -> None:
+        self.outcomes.append("early kept" if kept else "early dropped")
+
 
 @contextlib.asynccontextmanager
 async def started_second_pass(deadline_ms: int, **config):
@@ -406,6 +409,39 @@ def test_a_hurry_caps_every_jobs_wait_queued_running_and_later():
     asyncio.run(scenario())
 
 
+@needs_espeak
+def test_an_early_read_is_taken_only_by_an_idle_worker_and_a_dropped_one_is_never_answered():
+    audio = int16(speech(SENTENCE))
+
+    async def scenario():
+        async with started_second_pass(30_000) as second_pass:
+            answers: dict = {}
+            assert second_pass.submit(1, 0, audio, True, lambda result: answers.setdefault(0, result))
+            assert not second_pass.idle  # (queued): an early read would wait, or make this one wait
+            assert second_pass.submit(2, 0, audio, True, answers.setdefault, early=True) is None
+            assert second_pass.stats.refused == 0  # (not refused: that utterance is read at its end)
+            await asyncio.wait_for(_until(lambda: 0 in answers), 30)
+            await asyncio.wait_for(_until(lambda: second_pass.idle), 5)
+            # taken while idle, then dropped (the speech went on) before it ran: never answered nor read
+            dropped = second_pass.submit(
+                2, 0, audio, True, lambda result: answers.setdefault(1, result), early=True
+            )
+            assert dropped is not None and second_pass.stats.early == 1
+            second_pass.early_ended(dropped, kept=False)
+            # taken, read, and kept: its utterance ended on that pause
+            kept = second_pass.submit(3, 0, audio, True, lambda result: answers.setdefault(2, result), early=True)
+            await asyncio.wait_for(_until(lambda: 2 in answers), 30)
+            second_pass.early_ended(kept, kept=True)
+            await asyncio.sleep(0.2)
+            assert 1 not in answers and answers[2].text == SENTENCE
+            stats = second_pass.stats
+            assert (stats.early, stats.early_kept, stats.early_dropped, stats.cancelled) == (2, 1, 1, 1)
+            assert stats.batches == 2  # the dropped read was never sent to the worker
+            assert second_pass.observer.outcomes == ["used", "cancelled", "early dropped", "used", "early kept"]
+
+    asyncio.run(scenario())
+
+
 ZORBLAX = "please call zorblax quindle tomorrow morning"  # (Whisper alone: "please call more black squindle")
 
 
@@ -507,6 +543,7 @@ def no_leaks(server, stub) -> None:
 @needs_espeak
 def test_the_final_comes_from_the_second_pass_and_says_so(server, stub):
     audio = np.concatenate([silence(0.3), speech(SENTENCE), silence(1.0)])
+    kept = server.frontend.second_pass.stats.early_kept
     responses = run_stream(
         stub, config(interim_results=True, enable_word_time_offsets=True), encode(audio, "LINEAR16")
     )
@@ -514,6 +551,8 @@ def test_the_final_comes_from_the_second_pass_and_says_so(server, stub):
     assert len(finals) == 1
     final = finals[0]
     assert final.final_pass == "second_pass" and final.transcript == SENTENCE
+    # read early, at the pause the endpoint then came in (the worker was idle): that read is the final's
+    assert server.frontend.second_pass.stats.early_kept == kept + 1
     interims = [res for r in responses for res in r.results if not res.is_final]
     assert interims and all(res.final_pass == "" for res in interims)
     assert final.model == interims[0].model  # (the streaming model, whose stream this is)

@@ -278,3 +278,99 @@ def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_strea
     ]
     second_started = next(i for i, e in enumerate(events) if e == "started" and i > events.index("final"))
     assert events.index("final") < second_started  # the contract's order: final 0, then utterance 1's events
+
+
+class EarlySecondPass(HeldSecondPass):
+    """A worker queue that takes early reads while ``idle``, each read estimated to take ``read_s``."""
+
+    def __init__(self, idle: bool = True, read_s: float = 0.2) -> None:
+        super().__init__()
+        self.idle, self.read_s = idle, read_s
+        self.early: list = []  # (index, samples, on_done) of each early read taken
+        self.ended: list[bool] = []  # early reads kept (True) or dropped, in order
+
+    def predict_s(self, audio_s: float) -> float:
+        return self.read_s
+
+    def submit(self, key, index, audio, realtime, on_done, word_times=False, hotwords="", early=False):
+        if not early:
+            return super().submit(key, index, audio, realtime, on_done)
+        if not self.idle:
+            return None
+        self.early.append((index, len(audio), on_done))
+        return len(self.early)  # (the job, for early_ended)
+
+    def early_ended(self, job, kept: bool) -> None:
+        self.ended.append(kept)
+
+
+def early_session(second: EarlySecondPass):
+    from cosystream.frontend.final_pass import FinalPass
+
+    final_pass = FinalPass(
+        second, key=1, realtime=True, max_frames=6000, on_answer=lambda: session.resume(), early_ms=150
+    )
+    session, engine, emitted = make_session(final_pass=final_pass)
+    return session, engine, emitted
+
+
+def answer(text: str):
+    from cosystream.secondpass.whisper import SecondPassResult
+
+    return SecondPassResult(text, no_speech_prob=0.0, avg_logprob=-0.1)
+
+
+def test_an_utterance_read_early_at_its_pause_has_its_final_at_the_endpoint():
+    second = EarlySecondPass(read_s=0.2)  # 500 ms to the endpoint, less 200 ms to read, less 50: read at 250
+    session, engine, emitted = early_session(second)
+    audio = talk()  # 0.5 s silence, 1.5 s of speech, 1 s of silence
+    feed(session, engine, audio[: 16000 * 2 + 16000 * 3 // 10])  # 300 ms into the pause
+    assert kinds(emitted)[-1] != "ended" and len(second.early) == 1 and second.jobs == []
+    index, samples, on_done = second.early[0]
+    assert index == 0 and 16000 * 3 // 2 < samples < 16000 * 2  # the speech and the pause so far
+    on_done(answer("one"))  # read while the endpoint's silence runs
+    feed(session, engine, audio[16000 * 2 + 16000 * 3 // 10 :])
+    events = kinds(emitted)
+    assert events[-2:] == ["ended", "final"] and session.done  # sent at the endpoint, not held
+    final = emitted[-1].result
+    assert (final.transcript, final.final_pass) == ("one", "second_pass")
+    assert second.jobs == [] and second.ended == [True]  # no second read at the end
+
+
+def test_a_final_whose_early_read_is_still_running_waits_for_it_and_no_longer():
+    second = EarlySecondPass(read_s=0.2)
+    session, engine, emitted = early_session(second)
+    feed(session, engine, talk())
+    assert kinds(emitted)[-1] == "ended" and len(second.early) == 1 and second.jobs == []
+    assert second.ended == [True] and not session.done  # held for the early read
+    second.early[0][2](answer("one"))
+    assert kinds(emitted)[-1] == "final" and emitted[-1].result.transcript == "one" and session.done
+
+
+def test_speech_after_the_pause_drops_the_early_read_and_the_whole_utterance_is_read():
+    second = EarlySecondPass(read_s=0.2)
+    session, engine, emitted = early_session(second)
+    pause = np.zeros(16000 * 4 // 10, np.float32)  # 400 ms: under the endpoint's 500, over the early read's 250
+    first, then = speech_like(1.0, seed=3), speech_like(1.0, seed=4)
+    feed(session, engine, np.concatenate([pause, first, pause, then]))
+    assert kinds(emitted).count("started") == 1  # one utterance: the pause did not end it
+    assert len(second.early) == 1 and second.ended == [False]  # read at the pause, dropped at the speech
+    second.idle = False  # (the worker busy: no early read at the end's pause)
+    feed(session, engine, np.zeros(16000, np.float32))
+    assert kinds(emitted)[-1] == "ended" and len(second.early) == 1 and len(second.jobs) == 1
+    second.jobs[0][1](answer("one two"))
+    assert kinds(emitted)[-1] == "final" and emitted[-1].result.transcript == "one two" and session.done
+
+
+def test_early_reads_are_off_at_zero_and_when_the_read_would_not_end_before_the_endpoint():
+    from cosystream.frontend.final_pass import FinalPass
+
+    second = EarlySecondPass(read_s=0.2)
+    off = FinalPass(second, key=1, realtime=True, max_frames=6000, on_answer=lambda: None, early_ms=0)
+    assert off.early_after_frames(200, 50) is None
+    on = FinalPass(second, key=1, realtime=True, max_frames=6000, on_answer=lambda: None, early_ms=150)
+    assert on.early_after_frames(200, 50) == 25  # 500 ms - 200 ms to read - 50 ms of slack
+    second.read_s = 0.01
+    assert on.early_after_frames(200, 50) == 44  # a quick read starts later: fewer reads a pause drops
+    second.read_s = 2.0
+    assert on.early_after_frames(200, 50) == 15  # never before early_ms: a pause between words is no end

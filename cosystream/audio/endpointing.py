@@ -168,6 +168,16 @@ class Endpointer:
         return self._frame
 
     @property
+    def silence_run(self) -> int:
+        """Frames of non-speech since the open utterance's last speech frame (0 outside utterances)."""
+        return self._silence_run if self._in_utterance else 0
+
+    @property
+    def utterance_frames(self) -> int:
+        """Frames forwarded so far for the open utterance (0 outside utterances)."""
+        return self._frame - self._first_forward if self._in_utterance else 0
+
+    @property
     def between_utterances(self) -> bool:
         """No utterance open and no speech run begun: a new endpointer started here decides the same."""
         return not self._in_utterance and self._speech_run == 0

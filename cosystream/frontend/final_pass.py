@@ -10,6 +10,15 @@ then it is sent with Whisper's text, or with the streaming text when the answer 
 to the engine as they come, and only its responses queue behind the held final (``Session``), so a slow
 second pass delays what a client sees by at most one deadline, never cumulatively.
 
+Early reads: the endpoint comes only after ``silence_ms`` of silence (500 ms by default), and the second
+pass's read of the utterance, started then, holds its final (and whatever follows it) for the read's time on
+top. So once the speech has been followed by some silence (``early_ms``, or more where the read's measured
+cost fits in what is left of ``silence_ms``) the session reads the utterance early (:meth:`FinalPass.early`)
+if the worker has nothing else to do: the read runs during the endpoint's silence, and when the utterance
+ends on that pause its final has its answer already, or sooner. Speech again (a pause, not an end) drops the
+read, and the utterance is read again at its end or next pause. Only an idle worker takes one, so an early
+read never queues before another utterance's final: at most it is running when one comes.
+
 Word times (for streams that ask for them): from Whisper's own alignment of its words to the audio (its
 cross-attention alignment heads: ``WhisperTranscriber``), each written word's span shared by the spoken
 words it becomes ("25" -> "twenty five"); where that cannot be had (no alignment, or the spoken words of
@@ -26,6 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cosystream.decoding.text import spoken_form
+from cosystream.frames import FRAME_MS
 from cosystream.frontend.results import Alternative, Result, Word
 from cosystream.secondpass.whisper import SecondPassResult
 from cosystream.secondpass.worker import SecondPass
@@ -34,6 +44,8 @@ log = logging.getLogger(__name__)
 
 STREAMING, SECOND_PASS = "streaming", "second_pass"
 MAX_AUDIO_S = 60
+EARLY_MARGIN_FRAMES = 5
+"""An early read starts this much (50 ms) before the endpoint less its measured cost: the estimate's slack."""
 
 
 class FinalPass:
@@ -42,8 +54,10 @@ class FinalPass:
 
     __slots__ = (
         "_chunks",
+        "_early",
         "_frames",
         "_waiting",
+        "early_ms",
         "hotwords",
         "key",
         "max_frames",
@@ -64,10 +78,14 @@ class FinalPass:
         punctuation: bool = False,
         word_times: bool = False,
         hotwords: str = "",
+        early_ms: int = 0,
     ):
         """``punctuation``: finals keep Whisper's own writing (capitals, punctuation, digits); ``word_times``:
         the stream asked for word time offsets (its finals get Whisper's words, timed); ``hotwords``: the
-        session's phrases, which Whisper is told to expect."""
+        session's phrases, which Whisper is told to expect; ``early_ms``: silence after speech from which an
+        utterance may be read early (:meth:`early_after_frames`), 0: never."""
+        self.early_ms = early_ms
+        self._early: _Early | None = None  # the open utterance's early read
         self.hotwords = hotwords
         self.second, self.key, self.realtime, self.max_frames = second, key, realtime, max_frames
         self.on_answer = on_answer
@@ -86,17 +104,69 @@ class FinalPass:
         self._chunks.append((np.clip(frames, -1, 1 - 1 / 32768) * 32768).astype(np.int16).reshape(-1))
         self._frames += len(frames)
 
+    def early_after_frames(self, utterance_frames: int, silence_frames: int) -> int | None:
+        """Frames of silence after an utterance's speech (``utterance_frames`` long so far; the endpoint comes
+        after ``silence_frames``) from which it is read early: ``early_ms``, or later while the read's measured
+        cost still fits before the endpoint. None: not early (off, a BATCH stream, whose finals may wait and
+        whose reads must not make a REALTIME final wait, or the utterance is over the cap)."""
+        if not self.early_ms or not self.realtime or self._frames > self.max_frames:
+            return None
+        read_frames = math.ceil(self.second.predict_s(utterance_frames * FRAME_MS / 1000) * 1000 / FRAME_MS)
+        return max(self.early_ms // FRAME_MS, silence_frames - read_frames - EARLY_MARGIN_FRAMES)
+
+    def early(self, index: int) -> None:
+        """Utterance ``index`` paused (the frames kept so far end in silence): read it now if the worker is
+        idle. Its answer is the final's if the utterance ends before more speech (:meth:`take`)."""
+        if self._early is not None or not self._chunks or self._frames > self.max_frames:
+            return
+        early = _Early(index)
+
+        def answered(answer: SecondPassResult | None) -> None:
+            early.answered, early.answer = True, answer
+            if early.held is not None:
+                self._waiting -= 1
+                early.held.answer(answer)
+                self.on_answer()
+
+        audio = np.concatenate(self._chunks)
+        early.job = self.second.submit(
+            self.key, index, audio, self.realtime, answered, self.word_times, self.hotwords, early=True
+        )
+        if early.job is not None:
+            self._early = early
+
+    def speech_again(self) -> None:
+        """The utterance read early went on: the read is dropped."""
+        if self._early is not None:
+            self.second.early_ended(self._early.job, kept=False)
+            self._early = None
+
     def take(self, index: int, result: Result, audio_start_ms: int = 0) -> Held | None:
         """Utterance ``index`` ended and ``result`` is its streaming final: submit its audio, whose first sample
-        is at ``audio_start_ms`` in the stream. Returns the held final (send it once :attr:`Held.answered`), or
-        None when it may be sent now (refused, too long, or nothing heard: the streaming final)."""
+        is at ``audio_start_ms`` in the stream (or keep its early read, when it ended on that pause). Returns
+        the held final (send it once :attr:`Held.answered`: it may be already), or None when it may be sent now
+        (refused, too long, or nothing heard: the streaming final)."""
         audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
         over = self._frames > self.max_frames
         self._chunks.clear()
         self._frames = 0
+        early, self._early = self._early, None
+        if early is not None and early.index != index:  # (not this utterance's: never kept)
+            self.second.early_ended(early.job, kept=False)
+            early = None
         if not len(audio) or over:
+            if early is not None:
+                self.second.early_ended(early.job, kept=False)
             return None
         held = Held(result, self.punctuation, audio_start_ms, self.word_times)
+        if early is not None:
+            self.second.early_ended(early.job, kept=True)
+            if early.answered:
+                held.answer(early.answer)
+            else:
+                early.held = held
+                self._waiting += 1
+            return held
 
         def answered(answer: SecondPassResult | None) -> None:
             self._waiting -= 1
@@ -111,9 +181,23 @@ class FinalPass:
     def close(self) -> None:
         """The session closed: its waiting jobs are dropped unrun."""
         self._chunks.clear()
+        self.speech_again()  # (an early read, whose utterance will not end)
         if self._waiting:
             self.second.cancel(self.key)
             self._waiting = 0
+
+
+class _Early:
+    """An utterance's early read: its job, its answer once come, and the final held for it once it ended."""
+
+    __slots__ = ("answer", "answered", "held", "index", "job")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.job = None
+        self.answer: SecondPassResult | None = None
+        self.answered = False
+        self.held: Held | None = None
 
 
 class Held:

@@ -160,6 +160,7 @@ class LiveSession:
                 config.punctuation,
                 config.word_time_offsets,
                 config.hotwords,
+                host.second_pass.config.early_ms,
             ),
             tracer=host.tracer,
             trace_parent=trace_parent,

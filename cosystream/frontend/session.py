@@ -13,6 +13,8 @@ With a second pass (``serve --final-model``, ``final_pass.py``) an utterance's f
 second pass answers (or its deadline passes), which may replace the streaming text; ``final_pass`` says
 which. The stream goes on meanwhile (the next utterance's frames go to the engine and are decoded), and the
 responses that come after a held final wait behind it, so the client sees them in the contract's order.
+Once an utterance's speech is followed by some silence, it is read early (``final_pass.py``), so that at the
+endpoint its final seldom waits at all.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class EngineLink:
     def reset(self, key: int) -> None: ...
 
 
-_START, _FRAMES, _END = 0, 1, 2
+_START, _FRAMES, _END, _EARLY = 0, 1, 2, 3
 
 END_CONTEXT_FRAMES = 20
 """Audio a causal model needs after an utterance's last speech frame to emit its last word (measured: the
@@ -236,6 +238,7 @@ class Session:
         # Responses behind a final held for the second pass, in order: (response, receive time, its Held if a
         # held final, else None). Empty without a second pass.
         self._held: deque[tuple[Response, float, Held | None]] = deque()
+        self._early_asked = False  # the open utterance (as decided) paused long enough to be read early
 
     def use_model(
         self, decoder: CtcDecoder | BeamCtcDecoder, name: str, version: str, output_delay_frames: int
@@ -311,7 +314,27 @@ class Session:
     def _frames(self, frames: np.ndarray, received_s: float) -> None:
         for i, frame in enumerate(frames):
             self._ring.push(frame)
-            self._decide(self._endpointer.feed(self._vad.is_speech(frame)), received_s, frames[i : i + 1])
+            speech = self._vad.is_speech(frame)
+            self._decide(self._endpointer.feed(speech), received_s, frames[i : i + 1])
+            if self.final_pass is not None and self.final_pass.early_ms:
+                self._early_read(speech, received_s)
+
+    def _early_read(self, speech: bool, received_s: float) -> None:
+        """Ask for the open utterance's early read once its speech is followed by enough silence, and drop it
+        when speech comes again (queued as actions: they apply to the frames kept up to here)."""
+        endpointer = self._endpointer
+        if not endpointer.in_utterance:
+            self._early_asked = False
+        elif speech and self._early_asked:
+            self._early_asked = False
+            self._actions.append((_EARLY, False, received_s))
+        elif not self._early_asked and endpointer.silence_run:
+            after = self.final_pass.early_after_frames(
+                endpointer.utterance_frames, endpointer.config.silence_ms // FRAME_MS
+            )
+            if after is not None and endpointer.silence_run >= after:
+                self._early_asked = True
+                self._actions.append((_EARLY, True, received_s))
 
     def _decide(self, decision: Decision, received_s: float, current: np.ndarray | None = None) -> None:
         if decision.started:
@@ -325,6 +348,7 @@ class Session:
             self._forwarded_frames += len(frames)
         if decision.ended:
             self._actions.append((_END, decision, received_s))
+            self._early_asked = False
 
     # --- the ordered action queue ------------------------------------------------------------------
 
@@ -339,6 +363,11 @@ class Session:
                 if self.tracer is not None:
                     self._utterance.trace = self._start_trace(self._utterance)
                 self._event(EventType.SPEECH_STARTED, payload.start_ms, received_s)
+            elif kind == _EARLY:
+                if payload:
+                    self.final_pass.early(self._utterance.index)
+                else:
+                    self.final_pass.speech_again()
             elif kind == _FRAMES:
                 utterance = self._utterance
                 room = self.max_in_flight_frames - (utterance.sent - utterance.received)
@@ -457,7 +486,7 @@ class Session:
 
     def _send(self, response: Response, received_s: float, held: Held | None = None) -> None:
         """Send ``response`` now, or queue it behind a final held for the second pass (``held``: this one is)."""
-        if self._held or held is not None:
+        if self._held or (held is not None and not held.answered):
             self._held.append((response, received_s, held))
         else:
             self._send_now(response, received_s)

@@ -63,6 +63,10 @@ class SecondPassConfig:
     nice: int = 10
     # A job still running this long after its deadline has hung the worker: it is killed and started again.
     stuck_after_s: float = 30.0
+    # An utterance whose speech is followed by this much silence (or more: what the endpoint's silence leaves
+    # after the read's measured cost) is read early, while the worker has nothing else to do, so that its
+    # final is ready at the endpoint; speech again drops the read. 0: only at the end.
+    early_ms: int = 150
 
     def __post_init__(self) -> None:
         resolve_model(self.model)  # raises ModelError with what to fix
@@ -76,6 +80,8 @@ class SecondPassConfig:
             raise ValueError(f"second-pass device must be cpu, cuda or auto, got {self.device!r}")
         if not self.stuck_after_s > 0:
             raise ValueError(f"stuck_after_s must be > 0, got {self.stuck_after_s}")
+        if not 0 <= self.early_ms <= 10_000:
+            raise ValueError(f"final early read must be 0 (off) to 10000 ms of silence, got {self.early_ms}")
 
 
 # --- in the worker process ---------------------------------------------------------------------------
@@ -125,6 +131,9 @@ class SecondPassObserver(Protocol):
     def batch_read(self, size: int, seconds: float) -> None:
         """The worker read ``size`` utterances in one call of ``seconds``."""
 
+    def early_ended(self, kept: bool) -> None:
+        """An early read (of an utterance at a pause) was kept for its final, or dropped (speech went on)."""
+
 
 class _Job:
     __slots__ = (
@@ -168,6 +177,9 @@ class SecondPassStats:
     failed: int = 0  # the worker failed or died
     cancelled: int = 0  # its session closed first
     batches: int = 0  # worker calls (each reads 1 to max_batch jobs)
+    early: int = 0  # of those submitted: read early, at a pause before the utterance's end
+    early_kept: int = 0  # early reads the utterance then ended on (their answer is its final's)
+    early_dropped: int = 0  # early reads dropped: the speech went on (a dropped job still queued: cancelled)
 
 
 class SecondPass:
@@ -190,6 +202,15 @@ class SecondPass:
         self._running_audio_s = 0.0
         self._running_since_s = 0.0
         self.enabled = False
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running and nothing queued: an early read would delay no one's final."""
+        return not self._running and all(job.done for *_, job in self._heap)
+
+    def predict_s(self, audio_s: float) -> float:
+        """Seconds a read of ``audio_s`` seconds of audio takes alone, by the measured cost."""
+        return audio_s * self._cost_s
 
     @property
     def pending(self) -> int:
@@ -223,11 +244,16 @@ class SecondPass:
         on_done: OnDone,
         word_times: bool = False,
         hotwords: str = "",
-    ) -> bool:
+        early: bool = False,
+    ) -> _Job | None:
         """Queue utterance ``index`` of session ``key`` (int16, 16 kHz; ``word_times``: its words' times
         wanted; ``hotwords``: its session's phrases, Whisper's prompt): ``on_done`` gets its result, or None
         (late, failed, or the worker gone), exactly once, on the loop and never from inside this call.
-        Returns False (and never calls ``on_done``) when the job is refused: the streaming final stands."""
+        Returns the job (for :meth:`early_ended`), or None (and never calls ``on_done``) when it is refused: the
+        streaming final stands. ``early``: a read at a pause, before the utterance has ended, taken only
+        while the worker is :attr:`idle` (else None, not counted as refused: the read comes at the end)."""
+        if early and not (self.enabled and self.idle):
+            return None
         wait_s = self.config.deadline_ms / 1e3
         if self._cutoff_s is not None:
             wait_s = max(0.0, min(wait_s, self._cutoff_s - time.monotonic()))
@@ -235,14 +261,27 @@ class SecondPass:
             self.stats.refused += 1
             if self.observer is not None:
                 self.observer.job_ended("refused", 0.0)
-            return False
+            return None
         deadline_s = time.monotonic() + wait_s
         job = _Job(key, index, audio, deadline_s, on_done, word_times, hotwords)
         job.timer = self._loop.call_at(self._loop.time() + wait_s, self._late, job)
         heapq.heappush(self._heap, (0 if realtime else 1, deadline_s, next(self._seq), job))
         self.stats.submitted += 1
+        self.stats.early += early
         self._loop.call_soon(self._dispatch)
-        return True
+        return job
+
+    def early_ended(self, job: _Job, kept: bool) -> None:
+        """The utterance of early read ``job`` ended on it (``kept``: its answer is the final's, whenever it
+        comes), or its speech went on: the job is dropped (answered with nothing; a running one's answer is
+        thrown away) and its utterance is read again at its end."""
+        if kept:
+            self.stats.early_kept += 1
+        else:
+            self.stats.early_dropped += 1
+            self._finish(job, "cancelled")
+        if self.observer is not None:
+            self.observer.early_ended(kept)
 
     def _behind(self, audio: np.ndarray, realtime: bool, wait_s: float) -> bool:
         """Whether a job with ``audio`` would, by the measured cost, be answered after ``wait_s``, behind the

@@ -217,7 +217,10 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             else SecondPassConfig(
                 final_model,
                 **given(
-                    deadline_ms=args.final_deadline_ms, max_batch=args.final_max_batch, device=args.final_device
+                    deadline_ms=args.final_deadline_ms,
+                    max_batch=args.final_max_batch,
+                    device=args.final_device,
+                    early_ms=args.final_early_ms,
                 ),
             ),
         ),

@@ -366,6 +366,15 @@ def _second_pass(parser: argparse.ArgumentParser) -> None:
         f"this many (default: {defaults['max_batch']})",
     )
     parser.add_argument(
+        "--final-early-ms",
+        type=int,
+        default=None,
+        help="an utterance whose speech is followed by this much silence is read while the endpoint's silence "
+        "runs, when the second pass has nothing else to do, so that its final is ready at the endpoint; more "
+        "speech drops the read (0: read only at the end; default: "
+        f"{defaults['early_ms']})",
+    )
+    parser.add_argument(
         "--final-device",
         choices=("auto", "cpu", "cuda"),
         default=None,
