@@ -9,6 +9,8 @@ reports p50/p90/p95/p99/max per class of:
   result of that utterance;
 - chunk_latency_ms: send time of the chunk that completed the newest audio a result covers
   (``latency.audio_processed_ms``) -> that result's arrival;
+- interim_latency_ms: the same for interim results only (a final that waits for a second pass is in
+  chunk_latency_ms, and at one final per few seconds of speech it is that metric's tail);
 - final_latency_ms: end of speech (send time of the chunk holding it) -> the final; includes the
   server's end-of-utterance silence (``endpointing.silence_ms``);
 - finalize_ms (``--finalize-after-ms M``): each realtime stream sends FINALIZE M ms of audio after each
@@ -71,7 +73,14 @@ SENTENCES = [
     "thank you for calling how can i help you today",
     "the weather will be cloudy with a chance of rain",
 ]
-METRICS = ("first_packet_ms", "first_result_ms", "chunk_latency_ms", "final_latency_ms", "finalize_ms")
+METRICS = (
+    "first_packet_ms",
+    "first_result_ms",
+    "chunk_latency_ms",
+    "interim_latency_ms",
+    "final_latency_ms",
+    "finalize_ms",
+)
 PERCENTILES = (50, 90, 95, 99)
 STREAMS_PER_CONNECTION = 8  # the default --channels: one connection per 8 sessions, as many clients would open
 
@@ -153,6 +162,7 @@ class SessionStats:
     first_packet_ms: list[float] = field(default_factory=list)
     first_result_ms: list[float] = field(default_factory=list)
     chunk_latency_ms: list[float] = field(default_factory=list)
+    interim_latency_ms: list[float] = field(default_factory=list)
     final_latency_ms: list[float] = field(default_factory=list)
     finalize_ms: list[float] = field(default_factory=list)
     audio_s: float = 0.0
@@ -259,6 +269,8 @@ class Stream:
                     sent = self.sent_s[self.chunk_index(response.latency.audio_processed_ms)]
                     if not math.isnan(sent):
                         stats.chunk_latency_ms.append((now - sent) * 1e3)
+                        if not result.is_final:
+                            stats.interim_latency_ms.append((now - sent) * 1e3)
                     # The utterance's onset in the audio: the known speech span nearest the server's start.
                     onset_ms = (
                         min(self.spans, key=lambda span: abs(span[0] - result.start_ms))[0]
@@ -419,7 +431,7 @@ def report(stats: list[SessionStats], config: dict, misses: int | None) -> dict:
 
 def table(result: dict, other: dict | None = None) -> str:
     lines = []
-    header = f"{'class':<9} {'metric':<17} {'p50':>8} {'p90':>8} {'p95':>8} {'p99':>8} {'max':>8}"
+    header = f"{'class':<9} {'metric':<18} {'p50':>8} {'p90':>8} {'p95':>8} {'p99':>8} {'max':>8}"
     if other:
         header += f" {'other p50':>10} {'other p99':>10}"
     lines.append(header)
@@ -433,7 +445,7 @@ def table(result: dict, other: dict | None = None) -> str:
             cells = " ".join(
                 f"{s[k]:>8.1f}" if s[k] is not None else f"{'-':>8}" for k in ("p50", "p90", "p95", "p99", "max")
             )
-            line = f"{name:<9} {metric:<17} {cells}"
+            line = f"{name:<9} {metric:<18} {cells}"
             if other:
                 o = other["classes"].get(name, {}).get(metric) or {}
                 line += " ".join(

@@ -47,6 +47,8 @@ def test_probe_reports_both_classes(tmp_path):
     check_schema(result, realtime=4, batch=1)
     realtime, batch = result["classes"]["realtime"], result["classes"]["batch"]
     assert realtime["errors"] == 0 and batch["errors"] == 0
+    interims, chunks = realtime["interim_latency_ms"], realtime["chunk_latency_ms"]
+    assert interims["p50"] is not None and interims["max"] <= chunks["max"]  # (interims are some of the results)
     # None on a quiet machine; a loaded one (other jobs on the 2 cores) misses a handful, where REALTIME
     # stepped behind BATCH work would miss far more (test_overloaded_run_shows_deadline_misses: 4-7%).
     realtime_frames = 4 * 4 * 100
