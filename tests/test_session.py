@@ -243,13 +243,17 @@ class HeldSecondPass:
 
     def __init__(self) -> None:
         self.jobs: list = []
+        self.given_up: list = []  # the jobs whose finals went without them
 
-    def submit(self, key, index, audio, realtime, on_done, word_times=False, hotwords="") -> bool:
+    def submit(self, key, index, audio, realtime, on_done, word_times=False, hotwords=""):
         self.jobs.append((index, on_done))
-        return True
+        return f"job {index}"
 
     def cancel(self, key) -> None:
         self.jobs.clear()
+
+    def give_up(self, job) -> None:
+        self.given_up.append(job)
 
 
 def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_stream():
@@ -257,7 +261,9 @@ def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_strea
     from cosystream.secondpass.whisper import SecondPassResult
 
     second = HeldSecondPass()
-    final_pass = FinalPass(second, key=1, realtime=True, max_frames=6000, on_answer=lambda: session.resume())
+    final_pass = FinalPass(
+        second, key=1, realtime=True, max_frames=6000, on_answer=lambda: session.resume(), holds_next=True
+    )
     session, engine, emitted = make_session(final_pass=final_pass)
     feed(session, engine, talk())
     assert kinds(emitted)[-1] == "ended" and [index for index, _ in second.jobs] == [0]  # the final is held
@@ -278,6 +284,31 @@ def test_a_final_held_for_the_second_pass_holds_back_the_responses_not_the_strea
     ]
     second_started = next(i for i, e in enumerate(events) if e == "started" and i > events.index("final"))
     assert events.index("final") < second_started  # the contract's order: final 0, then utterance 1's events
+
+
+@pytest.mark.parametrize("realtime", [True, False])
+def test_the_next_utterances_interims_never_wait_for_a_held_final_of_a_realtime_stream(realtime):
+    from cosystream.frontend.final_pass import FinalPass
+
+    second = HeldSecondPass()
+    final_pass = FinalPass(second, key=1, realtime=realtime, max_frames=6000, on_answer=lambda: session.resume())
+    session, engine, emitted = make_session(final_pass=final_pass)
+    feed(session, engine, talk())
+    assert kinds(emitted)[-1] == "ended" and [index for index, _ in second.jobs] == [0]  # the final is held
+    feed(session, engine, talk())  # the next utterance, while the first final waits
+    events = kinds(emitted)
+    if not realtime:  # a BATCH stream's finals wait for the second pass whatever comes after them
+        assert events[-1] == "ended" and second.given_up == []
+        return
+    # its first interim gave up the held final: sent with the streaming text, then the next utterance's events
+    assert second.given_up == ["job 0"] and events.count("final") == 1 and events[-1] == "ended"
+    first = next(r.result for r in emitted if r.result is not None and r.result.is_final)
+    assert first.utterance_index == 0 and first.final_pass == "streaming" and first.transcript
+    assert events.index("final") < [i for i, e in enumerate(events) if e == "started"][1]  # (the contract's order)
+    assert "interim" in events[events.index("final") :]
+    assert [index for index, _ in second.jobs] == [0, 1]  # the second final waits for its own answer
+    second.jobs[1][1](answer("two"))
+    assert kinds(emitted)[-1] == "final" and emitted[-1].result.transcript == "two" and session.done
 
 
 class EarlySecondPass(HeldSecondPass):

@@ -8,7 +8,10 @@ ends, its streaming final is built and held until the second pass answers, its d
 then it is sent with Whisper's text, or with the streaming text when the answer is gated, late or missing.
 ``final_pass`` on the result says which. The stream does not wait meanwhile: the next utterance's frames go
 to the engine as they come, and only its responses queue behind the held final (``Session``), so a slow
-second pass delays what a client sees by at most one deadline, never cumulatively.
+second pass delays what a client sees by at most one deadline, never cumulatively. On a REALTIME stream not
+even that for interims: the next utterance's first interim gives the held final up (:meth:`FinalPass.give_up`:
+sent with the streaming text, its job dropped), unless the server says finals hold the next utterance
+(``serve --final-holds-next``).
 
 Early reads: the endpoint comes only after ``silence_ms`` of silence (500 ms by default), and the second
 pass's read of the utterance, started then, holds its final (and whatever follows it) for the read's time on
@@ -58,6 +61,7 @@ class FinalPass:
         "_frames",
         "_waiting",
         "early_ms",
+        "holds_next",
         "hotwords",
         "key",
         "max_frames",
@@ -79,12 +83,15 @@ class FinalPass:
         word_times: bool = False,
         hotwords: str = "",
         early_ms: int = 0,
+        holds_next: bool = False,
     ):
         """``punctuation``: finals keep Whisper's own writing (capitals, punctuation, digits); ``word_times``:
         the stream asked for word time offsets (its finals get Whisper's words, timed); ``hotwords``: the
         session's phrases, which Whisper is told to expect; ``early_ms``: silence after speech from which an
-        utterance may be read early (:meth:`early_after_frames`), 0: never."""
-        self.early_ms = early_ms
+        utterance may be read early (:meth:`early_after_frames`), 0: never; ``holds_next``: a held final holds
+        back the next utterance's interims until it is answered (else, on a REALTIME stream, the session gives it
+        up: :meth:`give_up`)."""
+        self.early_ms, self.holds_next = early_ms, holds_next or not realtime
         self._early: _Early | None = None  # the open utterance's early read
         self.hotwords = hotwords
         self.second, self.key, self.realtime, self.max_frames = second, key, realtime, max_frames
@@ -161,6 +168,7 @@ class FinalPass:
         held = Held(result, self.punctuation, audio_start_ms, self.word_times)
         if early is not None:
             self.second.early_ended(early.job, kept=True)
+            held.job = early.job
             if early.answered:
                 held.answer(early.answer)
             else:
@@ -173,10 +181,22 @@ class FinalPass:
             held.answer(answer)
             self.on_answer()
 
-        if not self.second.submit(self.key, index, audio, self.realtime, answered, self.word_times, self.hotwords):
+        held.job = self.second.submit(
+            self.key, index, audio, self.realtime, answered, self.word_times, self.hotwords
+        )
+        if held.job is None:
             return None
         self._waiting += 1
         return held
+
+    def give_up(self, held: Held) -> None:
+        """Send ``held`` with the streaming text now (the next utterance has results to show, and a held final
+        holds them back): its job is dropped, a queued one never read."""
+        if held.answered:
+            return
+        self._waiting -= 1
+        self.second.give_up(held.job)
+        held.answer(None)
 
     def close(self) -> None:
         """The session closed: its waiting jobs are dropped unrun."""
@@ -203,12 +223,13 @@ class _Early:
 class Held:
     """A streaming final held for the second pass's answer."""
 
-    __slots__ = ("answered", "audio_start_ms", "punctuation", "result", "word_times")
+    __slots__ = ("answered", "audio_start_ms", "job", "punctuation", "result", "word_times")
 
     def __init__(self, result: Result, punctuation: bool, audio_start_ms: int = 0, word_times: bool = False):
         self.result, self.punctuation, self.audio_start_ms = result, punctuation, audio_start_ms
         self.word_times = word_times  # (a streaming final with no words, because it heard none, gets Whisper's)
         self.answered = False
+        self.job = None  # the second pass's job it waits for
 
     def answer(self, answer: SecondPassResult | None) -> None:
         """Put the answer into the held final (a final with the streaming model's text): Whisper's text, or

@@ -161,6 +161,7 @@ class LiveSession:
                 config.word_time_offsets,
                 config.hotwords,
                 host.second_pass.config.early_ms,
+                host.second_pass.config.holds_next,
             ),
             tracer=host.tracer,
             trace_parent=trace_parent,

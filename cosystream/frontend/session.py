@@ -12,7 +12,8 @@ only after that final and the engine-side reset of the model state.
 With a second pass (``serve --final-model``, ``final_pass.py``) an utterance's final is held until the
 second pass answers (or its deadline passes), which may replace the streaming text; ``final_pass`` says
 which. The stream goes on meanwhile (the next utterance's frames go to the engine and are decoded), and the
-responses that come after a held final wait behind it, so the client sees them in the contract's order.
+responses that come after a held final wait behind it, so the client sees them in the contract's order; on a
+REALTIME stream the next utterance's first interim sends the held final at once with the streaming text.
 Once an utterance's speech is followed by some silence, it is read early (``final_pass.py``), so that at the
 endpoint its final seldom waits at all.
 """
@@ -485,8 +486,19 @@ class Session:
         self._send(Response(self.session_id, self._latency(received_s), event=event), received_s)
 
     def _send(self, response: Response, received_s: float, held: Held | None = None) -> None:
-        """Send ``response`` now, or queue it behind a final held for the second pass (``held``: this one is)."""
-        if self._held or (held is not None and not held.answered):
+        """Send ``response`` now, or queue it behind a final held for the second pass (``held``: this one is).
+        An interim of a later utterance gives up the held finals ahead of it, unless they hold the next
+        utterance (``FinalPass.holds_next``, and always on a BATCH stream, which is read faster than real time
+        for its finals): they go with the streaming text, and the interim with them."""
+        result = response.result
+        if self._held and result is not None and not result.is_final and not self.final_pass.holds_next:
+            index = result.utterance_index
+            for _, _, ahead in self._held:
+                if ahead is not None and ahead.result.utterance_index < index:
+                    self.final_pass.give_up(ahead)
+            self._held.append((response, received_s, held))
+            self.resume()
+        elif self._held or (held is not None and not held.answered):
             self._held.append((response, received_s, held))
         else:
             self._send_now(response, received_s)

@@ -67,6 +67,10 @@ class SecondPassConfig:
     # after the read's measured cost) is read early, while the worker has nothing else to do, so that its
     # final is ready at the endpoint; speech again drops the read. 0: only at the end.
     early_ms: int = 150
+    # A REALTIME stream's final waiting for the second pass holds back the next utterance's interims (up to its
+    # deadline). False: it goes with the streaming text once the next utterance has an interim (interims never
+    # wait). A BATCH stream's finals always wait.
+    holds_next: bool = False
 
     def __post_init__(self) -> None:
         resolve_model(self.model)  # raises ModelError with what to fix
@@ -173,7 +177,7 @@ class SecondPassStats:
     submitted: int = 0
     refused: int = 0  # the queue full, or the second pass off (never submitted)
     used: int = 0  # a result came in time (gated or not)
-    late: int = 0  # the deadline passed first
+    late: int = 0  # the deadline passed first, or its final went without it (the next utterance's results came)
     failed: int = 0  # the worker failed or died
     cancelled: int = 0  # its session closed first
     batches: int = 0  # worker calls (each reads 1 to max_batch jobs)
@@ -282,6 +286,11 @@ class SecondPass:
             self._finish(job, "cancelled")
         if self.observer is not None:
             self.observer.early_ended(kept)
+
+    def give_up(self, job: _Job) -> None:
+        """The final waiting for ``job`` was sent without it: the job ends as late (a queued one is never read,
+        a running one's answer is thrown away)."""
+        self._finish(job, "late")
 
     def _behind(self, audio: np.ndarray, realtime: bool, wait_s: float) -> bool:
         """Whether a job with ``audio`` would, by the measured cost, be answered after ``wait_s``, behind the

@@ -221,6 +221,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
                     max_batch=args.final_max_batch,
                     device=args.final_device,
                     early_ms=args.final_early_ms,
+                    holds_next=args.final_holds_next,
                 ),
             ),
         ),

@@ -375,6 +375,14 @@ def _second_pass(parser: argparse.ArgumentParser) -> None:
         f"{defaults['early_ms']})",
     )
     parser.add_argument(
+        "--final-holds-next",
+        action="store_true",
+        default=None,
+        help="on a REALTIME stream, a final waiting for the second pass holds back the next utterance's interims, "
+        "up to its deadline (default: it is sent with the streaming text as soon as the next utterance has an "
+        "interim to show, so interims never wait for the second pass; BATCH streams' finals always wait)",
+    )
+    parser.add_argument(
         "--final-device",
         choices=("auto", "cpu", "cuda"),
         default=None,
