@@ -569,6 +569,24 @@ def test_the_final_comes_from_the_second_pass_and_says_so(server, stub):
 
 
 @needs_espeak
+def test_a_pause_inside_an_utterance_drops_its_early_read_and_the_final_reads_it_whole(server, stub):
+    other = "the weather is nice today"
+    # espeak-ng's own ~320 ms between the sentences: past the early read's 150 ms, short of the endpoint's 500
+    audio = np.concatenate([silence(0.3), speech(SENTENCE), speech(other), silence(1.0)])
+    second_pass = server.frontend.second_pass
+    deadline = time.monotonic() + 30
+    while not second_pass.idle and time.monotonic() < deadline:  # (an early read is taken only by an idle worker)
+        time.sleep(0.05)
+    dropped, kept = second_pass.stats.early_dropped, second_pass.stats.early_kept
+    responses = run_stream(stub, config(interim_results=True), encode(audio, "LINEAR16"))
+    finals = check_event_contract(responses)
+    assert len(finals) == 1 and finals[0].final_pass == "second_pass"
+    assert finals[0].transcript == f"{SENTENCE} {other}"  # the whole utterance, not the read at its pause
+    assert second_pass.stats.early_dropped == dropped + 1 and second_pass.stats.early_kept == kept + 1
+    no_leaks(server, stub)
+
+
+@needs_espeak
 def test_finalize_and_half_close_each_get_a_second_pass_final_in_order(server, stub):
     first, second = speech(SENTENCE), speech("the weather is nice today")
     data_a = encode(np.concatenate([silence(0.2), first]), "LINEAR16")
