@@ -830,6 +830,13 @@ def test_the_worker_ends_with_its_frontend_however_it_ends():
             lambda: served.pids().get("cs-second-pass") not in (None, pids["cs-second-pass"]), 90, "a new worker"
         )
         served.wait(lambda: served.health() == SERVING, 90, "SERVING again")
+        left = served.pids()
+    # and when the server ends (SIGKILLed), the new frontend and its worker end too: none is left behind,
+    # the frontend waiting in its exit for a worker that waits for a job
+    deadline = time.monotonic() + 20
+    while any(_running(pid) for pid in left.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [name for name, pid in left.items() if _running(pid)]
 
 
 @needs_espeak

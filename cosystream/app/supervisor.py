@@ -133,6 +133,10 @@ class Supervisor:
                 if child.is_alive():
                     child.terminate()
                 child.join(5)
+                if child.is_alive():  # (stuck in its exit: it would outlive the server, holding its memory)
+                    log.warning("%s did not exit in 5 s after SIGTERM; killed", child.name)
+                    child.kill()
+                    child.join(5)
                 process_exited(child.pid)
             for handle in self.engines:
                 if handle is not None:

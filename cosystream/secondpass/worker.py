@@ -333,7 +333,14 @@ class SecondPass:
         for job in self._running:
             self._answer(job, None, "failed")
         if self._pool is not None:
+            workers = list((self._pool._processes or {}).values())  # (the executor has no public kill)
             self._pool.shutdown(wait=False, cancel_futures=True)
+            # An idle worker may never read the executor's stop sentinel (seen on CPython 3.11: the worker waits
+            # for a job, the executor's thread and the frontend's exit wait for the worker), so it is ended here:
+            # it holds nothing to save.
+            for process in workers:
+                if process.is_alive():
+                    process.kill()
             self._pool = None
 
     # --- internals ---------------------------------------------------------------------------------
