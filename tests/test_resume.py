@@ -346,13 +346,16 @@ def test_a_resume_that_lands_on_another_frontend_is_passed_to_the_one_holding_th
     """``serve --frontends 3``: each reconnection reaches any frontend (SO_REUSEPORT); cut eight times, the
     stream resumes every time, some through a frontend that does not hold the session, and the transcript is
     the one of an uncut stream."""
-    audio = spoken(SENTENCES)
+    # ~15 s, cut every 1.5 s from 0.25 s to 10.75 s: a cut further apart than the server's reports of what it
+    # consumed (at least every second), so that no report passes two at once, the last well before the end
+    # (cut 0.75 s apart in 7.7 s, a cut now and then came with the stream's last report: 7 resumes of 8)
+    audio = spoken(SENTENCES * 2)
     with Served("--frontends", "3", "--max-sessions", "8") as served:
         served.wait(lambda: served.health() == 1, 60, "every frontend listening")
         whole, _ = asyncio.run(recognize(served.port, paced(audio)))
         proxy = CuttingProxy(served.port)
         try:
-            cut_at = [4000 + 12000 * i for i in range(8)]
+            cut_at = [4000 + 24000 * i for i in range(8)]
             resumed, stream = asyncio.run(recognize(proxy.port, paced(audio), cut_at=cut_at, proxy=proxy))
         finally:
             proxy.close()
