@@ -131,9 +131,7 @@ class FinalPass:
         def answered(answer: SecondPassResult | None) -> None:
             early.answered, early.answer = True, answer
             if early.held is not None:
-                self._waiting -= 1
-                early.held.answer(answer)
-                self.on_answer()
+                self._deliver(early.held, answer)
 
         audio = np.concatenate(self._chunks)
         early.job = self.second.submit(
@@ -158,12 +156,10 @@ class FinalPass:
         self._chunks.clear()
         self._frames = 0
         early, self._early = self._early, None
-        if early is not None and early.index != index:  # (not this utterance's: never kept)
+        if early is not None and (early.index != index or not len(audio) or over):  # (not this final's read)
             self.second.early_ended(early.job, kept=False)
             early = None
         if not len(audio) or over:
-            if early is not None:
-                self.second.early_ended(early.job, kept=False)
             return None
         held = Held(result, self.punctuation, audio_start_ms, self.word_times)
         if early is not None:
@@ -176,18 +172,25 @@ class FinalPass:
                 self._waiting += 1
             return held
 
-        def answered(answer: SecondPassResult | None) -> None:
-            self._waiting -= 1
-            held.answer(answer)
-            self.on_answer()
-
         held.job = self.second.submit(
-            self.key, index, audio, self.realtime, answered, self.word_times, self.hotwords
+            self.key,
+            index,
+            audio,
+            self.realtime,
+            lambda answer: self._deliver(held, answer),
+            self.word_times,
+            self.hotwords,
         )
         if held.job is None:
             return None
         self._waiting += 1
         return held
+
+    def _deliver(self, held: Held, answer: SecondPassResult | None) -> None:
+        """The answer (or its absence) for ``held``, a final waiting for it: the session sends what it can."""
+        self._waiting -= 1
+        held.answer(answer)
+        self.on_answer()
 
     def give_up(self, held: Held) -> None:
         """Send ``held`` with the streaming text now (the next utterance has results to show, and a held final

@@ -333,7 +333,7 @@ class SecondPass:
         for job in self._running:
             self._answer(job, None, "failed")
         if self._pool is not None:
-            workers = list((self._pool._processes or {}).values())  # (the executor has no public kill)
+            workers = self._workers()
             self._pool.shutdown(wait=False, cancel_futures=True)
             # An idle worker may never read the executor's stop sentinel (seen on CPython 3.11: the worker waits
             # for a job, the executor's thread and the frontend's exit wait for the worker), so it is ended here:
@@ -347,6 +347,10 @@ class SecondPass:
 
     def _load_args(self) -> tuple[str, int, str, int]:
         return self.config.model, self.config.cpu_threads, self.config.device, self.config.nice
+
+    def _workers(self) -> list[multiprocessing.Process]:
+        """The pool's worker processes (the executor has no public kill)."""
+        return list((self._pool._processes or {}).values()) if self._pool is not None else []
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
@@ -384,7 +388,7 @@ class SecondPass:
         if job not in self._running or self._pool is None:
             return
         log.error("second pass: a job ran %.0f s past its deadline; killing the worker", self.config.stuck_after_s)
-        for process in list(self._pool._processes.values()):  # (the executor has no public kill)
+        for process in self._workers():
             process.kill()
 
     def _dispatch(self) -> None:
