@@ -16,8 +16,11 @@ alone on the last CPU with about that share of it, the frontends and the probes 
 before the engine does, so no signal the server has sees the backlog (docs/PERFORMANCE.md, "Overload").
 
 ``--admit-lag-ms MS`` adds a configuration with the frontends' loop lag refusing as well (``serve
---admit-lag-ms``), ``--admit-late-ms MS`` one with their audio lateness (``serve --admit-late-ms``); every
-configuration reports the lateness (``LoadStatus.audio_late_ms``, sampled every 0.25 s: median and max).
+--admit-lag-ms``), ``--admit-late-ms MS`` one with their audio lateness (``serve --admit-late-ms``),
+``--admit-cpu F [F ...]`` one per share with their host's projected CPU (``serve --admit-cpu``); every
+configuration reports the lateness (``LoadStatus.audio_late_ms``) and the cores busy on the frontend's CPUs
+(``LoadStatus.host_cpu_busy``), sampled every 0.25 s: median and max. ``--skip NAME`` leaves a
+configuration out ("by count only", say).
 
     python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.5 --rounds 3
 """
@@ -25,6 +28,7 @@ configuration reports the lateness (``LoadStatus.audio_late_ms``, sampled every 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 import sys
@@ -40,8 +44,11 @@ CONFIGS = {"alone": ["--admit-load", "0.9"], "admission by load": ["--admit-load
 CONFIGS["by count only"] = ["--admit-load", "0"]
 
 
-def sample_load(server: Server, stop: threading.Event, loads: list[float], late: list[float]) -> None:
-    """``cosystream_engine_load`` and ``LoadStatus.audio_late_ms`` (GetServerInfo) every 0.25 s until ``stop``."""
+def sample_load(
+    server: Server, stop: threading.Event, loads: list[float], late: list[float], cpu: list[float]
+) -> None:
+    """``cosystream_engine_load``, ``LoadStatus.audio_late_ms`` and ``host_cpu_busy`` (GetServerInfo) every
+    0.25 s until ``stop``."""
     import grpc
 
     from cosystream.v1 import cosystream_pb2 as pb
@@ -52,7 +59,9 @@ def sample_load(server: Server, stop: threading.Event, loads: list[float], late:
         while not stop.wait(0.25):
             try:
                 text = urllib.request.urlopen(server.metrics_url, timeout=2).read().decode()
-                late.append(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).load.audio_late_ms)
+                load = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).load
+                late.append(load.audio_late_ms)
+                cpu.append(load.host_cpu_busy)
             except (OSError, grpc.RpcError):
                 continue
             loads.extend(float(v) for v in re.findall(r'^cosystream_engine_load\{engine="0"\} (\S+)$', text, re.M))
@@ -78,8 +87,9 @@ def run_one(name: str, flags: list[str], args: argparse.Namespace) -> dict:
     with Server(*serve, engine_share=args.engine_share) as server:
         loads: list[float] = []
         late: list[float] = []
+        cpu: list[float] = []
         stop = threading.Event()
-        threading.Thread(target=sample_load, args=(server, stop, loads, late), daemon=True).start()
+        threading.Thread(target=sample_load, args=(server, stop, loads, late, cpu), daemon=True).start()
         floods: list[dict] = []
         flood = threading.Thread(target=run_flood, args=(server, args, floods))
         if name != "alone":
@@ -99,6 +109,8 @@ def run_one(name: str, flags: list[str], args: argparse.Namespace) -> dict:
         "engine_load_max": max(loads) if loads else None,
         "audio_late_ms_median": statistics.median(late) if late else None,
         "audio_late_ms_max": max(late) if late else None,
+        "host_cpu_busy_median": statistics.median(cpu) if cpu else None,
+        "host_cpu_busy_max": max(cpu) if cpu else None,
         "server_cpu_s": cpu_s,
     }
     if flood_result is not None:
@@ -142,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         help="also run admission by load with the frontends' audio lateness refusing past this "
         "(serve --admit-late-ms)",
     )
+    parser.add_argument(
+        "--admit-cpu",
+        type=float,
+        nargs="+",
+        default=(),
+        help="also run admission by load with the frontends' projected host CPU refusing past each share "
+        "(serve --admit-cpu)",
+    )
+    parser.add_argument("--skip", action="append", default=[], help="leave this configuration out")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -150,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         configs["load and loop lag"] = ["--admit-load", "0.9", "--admit-lag-ms", f"{args.admit_lag_ms:g}"]
     if args.admit_late_ms is not None:
         configs["load and audio lateness"] = ["--admit-load", "0.9", "--admit-late-ms", f"{args.admit_late_ms:g}"]
+    for share in args.admit_cpu:
+        configs[f"load and CPU {share:g}"] = ["--admit-load", "0.9", "--admit-cpu", f"{share:g}"]
+    configs = {name: flags for name, flags in configs.items() if name not in args.skip}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, flags in configs.items():  # (alternating, in one sitting)
@@ -169,15 +193,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             late = run.get("audio_late_ms_max")
             late = "-" if late is None else f"{run['audio_late_ms_median']:.0f}/{late:.0f}"
+            busy = run.get("host_cpu_busy_max")
+            busy = "-" if busy is None else f"{run['host_cpu_busy_median']:.2f}/{busy:.2f}"
             print(
                 f"{name:<18} {run['base_p50_ms']:>9.1f} {run['base_p99_ms']:>9.1f} "
                 f"{run['base_deadline_misses']:>7} {run.get('arrivals_admitted', '-')!s:>9} "
                 f"{run.get('arrivals_refused', '-')!s:>8} {'-' if arrivals_p99 is None else f'{arrivals_p99:.1f}':>9} "
                 f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13} "
-                f"{late:>15}"
+                f"{late:>15} {busy:>11}"
             )
     medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
-    alone = medians["alone"]
+    alone = medians.get("alone") or math.nan
     print(
         "median base p99: "
         + ", ".join(f"{name} {ms:.1f} ms ({(ms / alone - 1) * 100:+.0f}%)" for name, ms in medians.items())

@@ -61,6 +61,7 @@ def test_every_flag_has_help_and_shows_its_default():
         ("--realtime-burst-s", StreamOptions().realtime_burst_s),
         ("--admit-lag-ms", StreamOptions().admit_lag_s * 1000),
         ("--admit-late-ms", StreamOptions().admit_late_s * 1000),
+        ("--admit-cpu", StreamOptions().admit_cpu),
         ("--max-failures", RestartPolicy().max_failures),
         ("--restart-window-s", RestartPolicy().window_s),
         ("--silence-ms", EndpointingConfig().silence_ms),

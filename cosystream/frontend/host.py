@@ -23,6 +23,7 @@ from cosystream.decoding.config import DecoderConfig
 from cosystream.decoding.phrases import Phrase, PhraseError
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS
 from cosystream.engine.ipc import EngineInfo, ModelInfo
+from cosystream.frontend.cpu import ADMIT_CPU, CpuHeadroom
 from cosystream.frontend.engine_client import Engine
 from cosystream.frontend.lateness import ADMIT_LATE_S, BATCH_SLOW_LATE_S, CHECK_S, median_late_s
 from cosystream.frontend.live import RESUME_REPLAY, TAKEN, LiveSession, StreamState
@@ -39,6 +40,9 @@ from cosystream.priority import Priority
 from cosystream.secondpass.worker import SecondPass, SecondPassConfig
 
 log = logging.getLogger(__name__)
+
+BATCH_FULL_PACE = 64.0
+"""A BATCH pace (x real time) raised past this is full speed again (``SessionHost._pace_batch``)."""
 
 RESUME_WINDOW_S = 30.0
 """How long a resumable session is held after its connection drops (``serve --resume-window-s``)."""
@@ -70,6 +74,9 @@ class StreamOptions:
     # New REALTIME sessions refused while its REALTIME streams' audio is read later than this, the median
     # (lateness.py); 0: off.
     admit_late_s: float = ADMIT_LATE_S
+    # New REALTIME sessions refused while one more would take the host's projected CPU past this share of its
+    # cores (cpu.py); 0: off.
+    admit_cpu: float = ADMIT_CPU
     # Named vocabularies (serve --vocabulary NAME=FILE): name -> its phrases (decoding.phrases.read_vocabulary).
     vocabularies: tuple[tuple[str, tuple[Phrase, ...]], ...] = ()
     # Per-utterance traces over OTLP (serve --otlp-endpoint, --trace-sample; tracing.py); None: off.
@@ -89,6 +96,8 @@ class StreamOptions:
             raise ValueError(f"--admit-lag-ms must be >= 0 (0: off), got {self.admit_lag_s * 1000:g}")
         if not 0 <= self.admit_late_s < math.inf:
             raise ValueError(f"--admit-late-ms must be >= 0 (0: off), got {self.admit_late_s * 1000:g}")
+        if not 0 <= self.admit_cpu < math.inf:
+            raise ValueError(f"--admit-cpu must be >= 0 (0: off), got {self.admit_cpu:g}")
         if not 0 < self.resume_window_s < math.inf:
             raise ValueError(f"--resume-window-s must be > 0, got {self.resume_window_s:g}")
         if not self.realtime_burst_s >= 0:
@@ -121,7 +130,9 @@ class SessionHost:
         self.metrics = metrics or FrontendMetrics()
         self.vocabularies = dict(options.vocabularies)
         self.lag = LoopLag()  # (sampling from the first stream on)
-        self.batch_slowed = False  # BATCH streams read at most at real time while REALTIME audio is late
+        self.cpu = CpuHeadroom(realtime_sessions=self.realtime_streams)  # (likewise)
+        self.batch_pace = math.inf  # each BATCH stream read at most this fast (x real time): _pace_batch
+        self._paced_at = 0  # the CPU sample the pace last moved on
         self._late_checked_s = 0.0
         self.draining = False
         self._streams: set[LiveSession] = set()
@@ -176,36 +187,65 @@ class SessionHost:
     def active_streams(self) -> int:
         return len(self._streams)
 
-    @property
-    def audio_late_s(self) -> float:
-        """How far behind real time this frontend reads its REALTIME streams' audio, the median
-        (``lateness.py``; streams held for a resume, or no longer sending, left out)."""
-        clocks = (
+    def _live_clocks(self):
+        return (
             stream.clock
             for stream in self._streams
             if stream.clock is not None and stream.state == StreamState.STREAMING and not stream.detached.is_set()
         )
-        return median_late_s(clocks, time.monotonic())
+
+    def realtime_streams(self) -> int:
+        """The REALTIME streams this frontend reads now (held for a resume, or no longer sending: left out)."""
+        return sum(1 for _ in self._live_clocks())
+
+    @property
+    def audio_late_s(self) -> float:
+        """How far behind real time this frontend reads its REALTIME streams' audio, the median
+        (``lateness.py``; streams held for a resume, or no longer sending, left out)."""
+        return median_late_s(self._live_clocks(), time.monotonic())
 
     async def batch_turn(self, audio_s: float) -> bool:
-        """A BATCH stream just read ``audio_s`` seconds of audio: while this frontend reads its REALTIME audio
-        late, wait as long (BATCH read at real time, not faster); True if it waited."""
+        """A BATCH stream just read ``audio_s`` seconds of audio: wait as its pace says (:meth:`_pace_batch`;
+        none at full speed); True if it waited."""
         now = time.monotonic()
         if now - self._late_checked_s >= CHECK_S:
             self._late_checked_s = now
-            late_s = self.audio_late_s
-            if (late_s > BATCH_SLOW_LATE_S) != self.batch_slowed:
-                self.batch_slowed = not self.batch_slowed
-                log.log(
-                    logging.WARNING if self.batch_slowed else logging.INFO,
-                    "BATCH streams of this frontend %s: its realtime audio is read %.0f ms behind real time",
-                    "read no faster than real time" if self.batch_slowed else "read at full speed again",
-                    late_s * 1000,
-                )
-        if not self.batch_slowed or audio_s <= 0:
+            self._pace_batch()
+        if self.batch_pace == math.inf or audio_s <= 0:
             return False
-        await asyncio.sleep(audio_s)
+        await asyncio.sleep(audio_s / self.batch_pace)
         return True
+
+    def _pace_batch(self) -> None:
+        """How fast each BATCH stream is read (x real time): at real time while this frontend reads its
+        REALTIME audio late; with ``admit_cpu``, while REALTIME streams are here, at real time from a sample
+        of the host's CPU over the limit on, and raised by half on each sample a tenth of the cores under it
+        (full speed again past :data:`BATCH_FULL_PACE`), so BATCH takes what the calls leave; at full speed
+        otherwise."""
+        pace, late_s = self.batch_pace, self.audio_late_s
+        cores, limit = self.cpu.host.cores, self.options.admit_cpu * self.cpu.host.cores
+        if late_s > BATCH_SLOW_LATE_S:
+            pace = 1.0
+        elif not limit or not self.realtime_streams():
+            pace = math.inf
+        elif self.cpu.sampled != self._paced_at:
+            self._paced_at = self.cpu.sampled
+            busy = self.cpu.busy_now
+            if busy > limit:
+                pace = 1.0
+            elif busy < limit - 0.1 * cores and pace < math.inf:
+                pace = pace * 1.5 if pace < BATCH_FULL_PACE else math.inf
+        if (pace < math.inf) != (self.batch_pace < math.inf):
+            log.log(
+                logging.WARNING if pace < math.inf else logging.INFO,
+                "BATCH streams of this frontend %s: its realtime audio is read %.0f ms behind real time, "
+                "its host's CPU %.2f of %g cores busy",
+                "read slower" if pace < math.inf else "read at full speed again",
+                late_s * 1000,
+                self.cpu.busy_now,
+                cores,
+            )
+        self.batch_pace = pace
 
     def model_by_id(self, model: int) -> ModelInfo | None:
         return self.engine.model_by_id(model)
@@ -237,6 +277,7 @@ class SessionHost:
         if not self.engine.connected:
             raise Refused(Status.UNAVAILABLE, "the engine is restarting; retry in a moment", None)
         self.lag.start()
+        self.cpu.start()
         if config.priority == Priority.REALTIME and (behind := self._behind()):
             raise Refused(
                 Status.RESOURCE_EXHAUSTED,
@@ -258,6 +299,13 @@ class SessionHost:
                 f"its frontend reads their audio {late_s * 1000:.0f} ms behind real time, "
                 f"limit {options.admit_late_s * 1000:g} ms"
             )
+        if options.admit_cpu and (window := self.cpu.window) is not None:
+            projected = window.projected(self.realtime_streams())
+            if projected > options.admit_cpu * window.cores:
+                return (
+                    f"one more would take its host's CPU to {projected:.2f} of {window.cores:g} cores, "
+                    f"limit {options.admit_cpu:g}"
+                )
         return None
 
     def start(self, stream: LiveSession) -> None:

@@ -28,6 +28,7 @@ from cosystream.audio.streams import AudioFormatError
 from cosystream.decoding.phrases import PhraseError
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
+from cosystream.frontend.cpu import CpuHeadroom
 from cosystream.frontend.final_pass import MAX_AUDIO_S, FinalPass
 from cosystream.frontend.lateness import AudioClock
 from cosystream.frontend.quota import Claim, QuotaExceeded, Token
@@ -95,6 +96,7 @@ class Host(Protocol):
     models: object
     second_pass: object
     tracer: object
+    cpu: CpuHeadroom
     thin_interims: bool
 
     @property
@@ -532,6 +534,7 @@ class LiveSession:
                 return False
             self.consumed_bytes += min(AUDIO_SLICE_BYTES, len(audio) - offset)
             read_s = (session.audio_samples - heard) / SAMPLE_RATE_HZ
+            self.host.cpu.read_audio(self.priority, read_s)
             if self.clock is not None:
                 self.clock.read(received_s, read_s)
             elif self.priority == Priority.BATCH and await self.host.batch_turn(read_s):

@@ -170,6 +170,7 @@ class Frontend:
         self.servicer = CosyStreamServicer(
             self.engine, self.config.stream, FrontendMetrics(), self.token_sessions, self.second_pass, self.tracer
         )
+        self.servicer.cpu.start()  # (the host's CPU reported from the start, sessions or not)
         options = [
             ("grpc.so_reuseport", 1),
             # Flow control: a client that sends faster than its session is read gets pushed back after
@@ -280,6 +281,7 @@ class Frontend:
             self.second_pass.close()
         if self.servicer is not None:
             self.servicer.lag.stop()
+            self.servicer.cpu.stop()
             await self.servicer.peers.close()
         if self.tracer is not None:
             self.tracer.shutdown()  # (the spans batched so far are sent)

@@ -34,6 +34,7 @@ from cosystream.decoding.phrases import normalize as normalize_phrases
 from cosystream.engine.headroom import Degradation, LoadReport
 from cosystream.engine.ipc import EngineInfo, ModelInfo
 from cosystream.frames import FRAME_MS, SAMPLE_RATE_HZ
+from cosystream.frontend.cpu import CpuWindow
 from cosystream.frontend.engine_pool import EnginePool
 from cosystream.frontend.final_pass import SECOND_PASS, STREAMING
 from cosystream.frontend.host import SessionHost
@@ -197,26 +198,36 @@ def _wire(config: pb.StreamingConfig) -> bytes:
     return wire.SerializeToString()
 
 
-def load_status(loads: list[LoadReport | None], lag_s: float = 0.0, late_s: float = 0.0) -> pb.LoadStatus:
+def load_status(
+    loads: list[LoadReport | None],
+    lag_s: float = 0.0,
+    late_s: float = 0.0,
+    cpu: CpuWindow | None = None,
+    admit_cpu: float = 0.0,
+) -> pb.LoadStatus:
     """The engines' load reports as GetServerInfo gives them: the most loaded engine's load, counts summed,
     overloaded when every engine reporting is; ``lag_s``: the answering frontend's loop lag, ``late_s``: how
-    late it reads its realtime audio."""
+    late it reads its realtime audio, ``cpu``: its host's CPU window (None: not sampled yet)."""
+    status = pb.LoadStatus(frontend_lag_ms=lag_s * 1000, audio_late_ms=late_s * 1000, admit_cpu=admit_cpu)
+    if cpu is not None:
+        status.host_cpu_busy, status.host_cpu_cores, status.cpu_per_session = cpu.busy, cpu.cores, cpu.per_session
     known = [load for load in loads if load is not None]
     if not known:
-        return pb.LoadStatus(frontend_lag_ms=lag_s * 1000, audio_late_ms=late_s * 1000)
-    return pb.LoadStatus(
-        frontend_lag_ms=lag_s * 1000,
-        audio_late_ms=late_s * 1000,
-        engine_load=max(load.load for load in known),
-        realtime_sessions=sum(load.realtime for load in known),
-        batch_sessions=sum(load.batch for load in known),
-        free_slots=sum(load.free_slots for load in known),
-        queued_frames=sum(load.queued_frames for load in known),
-        overloaded=all(load.overloaded for load in known),
-        admit_load=known[0].admit_load,
-        refused_for_load=sum(load.refused for load in known),
-        degradation=max(load.stage for load in known).name.lower(),
+        return status
+    status.MergeFrom(
+        pb.LoadStatus(
+            engine_load=max(load.load for load in known),
+            realtime_sessions=sum(load.realtime for load in known),
+            batch_sessions=sum(load.batch for load in known),
+            free_slots=sum(load.free_slots for load in known),
+            queued_frames=sum(load.queued_frames for load in known),
+            overloaded=all(load.overloaded for load in known),
+            admit_load=known[0].admit_load,
+            refused_for_load=sum(load.refused for load in known),
+            degradation=max(load.stage for load in known).name.lower(),
+        )
     )
+    return status
 
 
 def thinning(loads: list[LoadReport | None]) -> bool:
@@ -502,7 +513,9 @@ class CosyStreamServicer(SessionHost, pb_grpc.CosyStreamServicer):
             device=info.device,
             final_model=self.second_pass.config.model if self.second_pass and self.second_pass.enabled else "",
             vocabularies=sorted(self.vocabularies),
-            load=load_status(self.engine.loads(), self.lag.median_s, self.audio_late_s),
+            load=load_status(
+                self.engine.loads(), self.lag.median_s, self.audio_late_s, self.cpu.window, self.options.admit_cpu
+            ),
             default_endpointing=pb.EndpointingConfig(
                 silence_ms=defaults.silence_ms,
                 max_utterance_ms=defaults.max_utterance_ms,

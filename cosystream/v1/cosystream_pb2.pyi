@@ -292,7 +292,7 @@ class ServerInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., encodings: _Optional[_Iterable[_Union[AudioEncoding, str]]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., default_endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., frontends: _Optional[int] = ..., loaded_model_versions: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., final_model: _Optional[str] = ..., vocabularies: _Optional[_Iterable[str]] = ..., load: _Optional[_Union[LoadStatus, _Mapping]] = ...) -> None: ...
 
 class LoadStatus(_message.Message):
-    __slots__ = ("engine_load", "realtime_sessions", "batch_sessions", "free_slots", "queued_frames", "overloaded", "admit_load", "refused_for_load", "frontend_lag_ms", "degradation", "audio_late_ms")
+    __slots__ = ("engine_load", "realtime_sessions", "batch_sessions", "free_slots", "queued_frames", "overloaded", "admit_load", "refused_for_load", "frontend_lag_ms", "degradation", "audio_late_ms", "host_cpu_busy", "host_cpu_cores", "cpu_per_session", "admit_cpu")
     ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
     REALTIME_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,10 @@ class LoadStatus(_message.Message):
     FRONTEND_LAG_MS_FIELD_NUMBER: _ClassVar[int]
     DEGRADATION_FIELD_NUMBER: _ClassVar[int]
     AUDIO_LATE_MS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CPU_BUSY_FIELD_NUMBER: _ClassVar[int]
+    HOST_CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    CPU_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_CPU_FIELD_NUMBER: _ClassVar[int]
     engine_load: float
     realtime_sessions: int
     batch_sessions: int
@@ -315,7 +319,11 @@ class LoadStatus(_message.Message):
     frontend_lag_ms: float
     degradation: str
     audio_late_ms: float
-    def __init__(self, engine_load: _Optional[float] = ..., realtime_sessions: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., queued_frames: _Optional[int] = ..., overloaded: _Optional[bool] = ..., admit_load: _Optional[float] = ..., refused_for_load: _Optional[int] = ..., frontend_lag_ms: _Optional[float] = ..., degradation: _Optional[str] = ..., audio_late_ms: _Optional[float] = ...) -> None: ...
+    host_cpu_busy: float
+    host_cpu_cores: float
+    cpu_per_session: float
+    admit_cpu: float
+    def __init__(self, engine_load: _Optional[float] = ..., realtime_sessions: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., queued_frames: _Optional[int] = ..., overloaded: _Optional[bool] = ..., admit_load: _Optional[float] = ..., refused_for_load: _Optional[int] = ..., frontend_lag_ms: _Optional[float] = ..., degradation: _Optional[str] = ..., audio_late_ms: _Optional[float] = ..., host_cpu_busy: _Optional[float] = ..., host_cpu_cores: _Optional[float] = ..., cpu_per_session: _Optional[float] = ..., admit_cpu: _Optional[float] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
     __slots__ = ("index", "device", "serving", "active_sessions", "max_sessions", "load", "overloaded")

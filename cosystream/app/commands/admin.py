@@ -104,4 +104,19 @@ def status_text(info) -> str:
         )
     if not info.engines:
         lines.append(f"engine ({info.device}): serving")
+    load = info.load
+    lines.append(
+        f"load: engine {load.engine_load:.2f} (admit {load.admit_load:g}), shed {load.degradation or 'none'}, "
+        f"{load.realtime_sessions} realtime / {load.batch_sessions} batch sessions, {load.free_slots} slots free, "
+        f"{load.queued_frames} frames queued{', OVERLOADED' if load.overloaded else ''}"
+    )
+    cpu = (
+        f"{load.host_cpu_busy:.2f} of {load.host_cpu_cores:g} cores busy, {load.cpu_per_session:.3f} per call"
+        if load.host_cpu_cores
+        else "not sampled yet"
+    )
+    lines.append(
+        f"this frontend: loop {load.frontend_lag_ms:.1f} ms late, realtime audio read {load.audio_late_ms:.0f} ms "
+        f"late, host CPU {cpu} (admit {load.admit_cpu:g})"
+    )
     return "\n".join(lines)

@@ -206,6 +206,7 @@ def frontend_config(args: argparse.Namespace, tls, auth_tokens, endpointing, dec
             resume_key=read_key(args.resume_key_file) if args.resume_key_file else None,
             **given(admit_lag_s=None if args.admit_lag_ms is None else args.admit_lag_ms / 1000),
             **given(admit_late_s=None if args.admit_late_ms is None else args.admit_late_ms / 1000),
+            **given(admit_cpu=args.admit_cpu),
             default_endpointing=endpointing,
             frontends=args.frontends,
             decoder=decoder,

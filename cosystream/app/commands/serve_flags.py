@@ -165,6 +165,16 @@ def _engine(parser: argparse.ArgumentParser) -> None:
         "the lateness either way (default 0: off)",
     )
     parser.add_argument(
+        "--admit-cpu",
+        type=float,
+        default=None,
+        help="a frontend refuses new REALTIME sessions (RESOURCE_EXHAUSTED with a retry delay) when one more, "
+        "priced at its measured CPU per realtime session, would take the CPUs it runs on past this share of "
+        "their cores (every process's use over 2 s, BATCH's share left out; in a container with a CPU quota, "
+        "the container's), and reads its BATCH streams no faster than real time while they are past it; "
+        "GetServerInfo reports the CPU either way (default 0: off)",
+    )
+    parser.add_argument(
         "--overload-window-s",
         type=float,
         default=None,
