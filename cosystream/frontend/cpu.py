@@ -33,6 +33,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from cosystream.priority import Priority
@@ -179,7 +180,7 @@ class CpuHeadroom:
         self._audio = {Priority.REALTIME: 0.0, Priority.BATCH: 0.0}
         self._samples: deque[_Sample] = deque()
         self._task: asyncio.Task | None = None
-        self._taken = 0
+        self.sampled = 0  # samples taken so far (a new one: busy_now moved)
         self.window: CpuWindow | None = None  # None until a whole window is sampled
 
     def read_audio(self, priority: Priority, audio_s: float) -> None:
@@ -216,7 +217,7 @@ class CpuHeadroom:
             self._realtime_sessions(),
         )
         self._samples.append(sample)
-        self._taken += 1
+        self.sampled += 1
         while len(self._samples) > 2 and self._samples[1].at_s <= now - WINDOW_S:
             self._samples.popleft()
         first = self._samples[0]
@@ -228,18 +229,13 @@ class CpuHeadroom:
         batch_audio = sample.batch_audio_s - first.batch_audio_s
         audio = realtime_audio + batch_audio
         batch = own * batch_audio / audio if audio > 0 else 0.0
-        sessions = sum(s.realtime_sessions for s in list(self._samples)[1:]) / (len(self._samples) - 1)
+        sessions = sum(s.realtime_sessions for s in islice(self._samples, 1, None)) / (len(self._samples) - 1)
         per_session = (own - batch) / sessions if sessions >= 1 and realtime_audio > 0 else None
         if per_session is None and self.window is not None:
             per_session = self.window.per_session  # (the last measured, while no realtime runs)
         self.window = CpuWindow(
             self.host.cores, (sample.busy_s - first.busy_s) / span_s, batch, per_session or 0.0, sessions
         )
-
-    @property
-    def sampled(self) -> int:
-        """Samples taken so far (a new one: :attr:`busy_now` moved)."""
-        return self._taken
 
     @property
     def busy_now(self) -> float:

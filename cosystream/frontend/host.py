@@ -130,7 +130,7 @@ class SessionHost:
         self.metrics = metrics or FrontendMetrics()
         self.vocabularies = dict(options.vocabularies)
         self.lag = LoopLag()  # (sampling from the first stream on)
-        self.cpu = CpuHeadroom(realtime_sessions=self.realtime_streams)  # (likewise)
+        self.cpu = CpuHeadroom(realtime_sessions=self.realtime_streams)  # (sampling from the frontend's start)
         self.batch_pace = math.inf  # each BATCH stream read at most this fast (x real time): _pace_batch
         self._paced_at = 0  # the CPU sample the pace last moved on
         self._late_checked_s = 0.0
@@ -277,7 +277,6 @@ class SessionHost:
         if not self.engine.connected:
             raise Refused(Status.UNAVAILABLE, "the engine is restarting; retry in a moment", None)
         self.lag.start()
-        self.cpu.start()
         if config.priority == Priority.REALTIME and (behind := self._behind()):
             raise Refused(
                 Status.RESOURCE_EXHAUSTED,
