@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cosystream.app.commands.serve_config import default_frontends
 from cosystream.engine.headroom import RETRY_AFTER_S
 from cosystream.frontend.cpu import WINDOW_S, CpuHeadroom, HostCpu, cgroup_quota
 from cosystream.frontend.host import StreamOptions
@@ -122,6 +123,25 @@ def test_cgroup_quotas_v2_and_v1_and_none(tmp_path: Path):
     assert host.cores == 0.5 and host.busy_s() == 2.5
     (v2 / "app" / "cpu.max").write_text("400000 100000\n")
     assert HostCpu(quota=cgroup_quota(v2, "0::/app\n"), cpus={0, 1}).quota is None
+
+
+def test_serves_default_frontends_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Path):
+    # A pod limited to 2 cores on a 64-core node: the engine's core and one frontend, not 8 frontends.
+    pod = tmp_path / "pod"
+    pod.mkdir()
+    (pod / "cpu.max").write_text("200000 100000\n")
+    (pod / "cpu.stat").write_text("usage_usec 0\n")
+    node = set(range(64))
+    assert default_frontends(HostCpu(quota=cgroup_quota(tmp_path, "0::/pod\n"), cpus=node).cores) == 1
+    (pod / "cpu.max").write_text("450000 100000\n")  # 4.5 cores: 4 whole ones, the engine's and 3 frontends
+    assert default_frontends(HostCpu(quota=cgroup_quota(tmp_path, "0::/pod\n"), cpus=node).cores) == 3
+    (pod / "cpu.max").write_text("max 100000\n")  # no quota: the CPUs it may run on, at most 8 frontends
+    assert default_frontends(HostCpu(quota=cgroup_quota(tmp_path, "0::/pod\n"), cpus=node).cores) == 8
+    assert default_frontends(HostCpu(quota=None, cpus={0, 1, 2}).cores) == 2
+    assert default_frontends(0.5) == 1  # half a core: still one frontend
+    # Measured for this process: its affinity (and quota), not os.cpu_count().
+    assert default_frontends() == default_frontends(HostCpu(quota=cgroup_quota()).cores)
+    assert default_frontends() <= max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def test_proc_stat_counts_the_busy_time_of_the_cpus_this_process_may_run_on(tmp_path: Path):

@@ -7,14 +7,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from cosystream.app.commands.common import given, log, second_pass_model
 
 
-def default_frontends() -> int:
-    """The engine keeps one core busy; the frontends get the rest (at least one, at most eight)."""
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+def default_frontends(cores: float | None = None) -> int:
+    """The engine keeps one core busy; the frontends get the rest (at least one, at most eight).
+
+    ``cores``: those this process may use (None: measured), its CPU affinity or, in a container, its cgroup
+    CPU quota where that is less (``docker run --cpus 2``, a Kubernetes CPU limit), in whole cores (a part
+    core starts no process of its own): the machine's count, which a container sees whole, would start a
+    frontend per core of the node and oversubscribe the quota."""
+    if cores is None:
+        from cosystream.frontend.cpu import HostCpu, cgroup_quota
+
+        cores = HostCpu(quota=cgroup_quota()).cores
+    return max(1, min(8, math.floor(cores) - 1))
 
 
 def parse_model_arg(value: str) -> tuple[str | None, str]:

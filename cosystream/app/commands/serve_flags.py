@@ -262,8 +262,8 @@ def _steps(parser: argparse.ArgumentParser) -> None:
         "--frontends",
         type=int,
         default=None,
-        help="frontend processes sharing the ports (gRPC, HTTP, decoding, VAD) (default: the cores less one, "
-        f"1 to 8: {default_frontends()} here)",
+        help="frontend processes sharing the ports (gRPC, HTTP, decoding, VAD) (default: the cores this "
+        f"process may use, or its container's CPU quota, less one, 1 to 8: {default_frontends()} here)",
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the model eagerly on CUDA")
     compiling = parser.add_mutually_exclusive_group()
