@@ -624,6 +624,49 @@ def test_squeezed_batch_gets_only_its_floor_share_and_still_runs(duty):
     assert sched.next_due_s() - clock.now == pytest.approx(step_s * (1 / duty - 1))
 
 
+@pytest.mark.parametrize("duty", [0.5, 1.0])
+def test_a_realtime_step_near_its_deadline_squeezes_batch_at_once_for_a_load_window(duty):
+    # Deadline 100 ms (UNIT): a realtime frame that waited 50 ms or more presses; one that waited 40 does not.
+    sched, clock = make(max_sessions=8, batch_max_duty=duty, batch_min_duty=0.05, realtime_load_window_s=0.5)
+    open_session(sched, 0, RT)
+    open_session(sched, 1, BATCH)
+    sched.add_frames(1, 10_000, clock.now)
+    step_s = 0.004
+
+    def batch_step() -> float:
+        """A BATCH step of ``step_s``; returns how long the next one waits (nothing realtime pending)."""
+        plan = sched.schedule()
+        assert plan is not None and plan.priority == BATCH
+        clock.now += step_s
+        sched.update_cost(plan.rows, plan.frames, step_s, BATCH)
+        return sched.next_due_s() - clock.now
+
+    def realtime_step(waited_s: float) -> None:
+        sched.add_frames(0, 1, clock.now)
+        clock.now += waited_s  # (BATCH work, a slow collection, a neighbour: the frame waited)
+        plan = sched.schedule()
+        assert plan.priority == RT
+        sched.update_cost(plan.rows, plan.frames, 0.001, RT)
+
+    unsqueezed = step_s * (1 / duty - 1)
+    assert batch_step() == pytest.approx(unsqueezed, abs=1e-9)
+    realtime_step(0.040)
+    assert sched.stats.pressed == 0
+    clock.now = sched.next_due_s()
+    assert batch_step() == pytest.approx(unsqueezed, rel=0.1, abs=1e-4)  # (the realtime step's share: tiny)
+
+    realtime_step(0.055)
+    assert sched.stats.pressed == 1
+    pressed_at = clock.now
+    for _ in range(3):  # its floor share: a 4 ms step per 80 ms, 19 x 4 ms between
+        clock.now = sched.next_due_s()
+        assert batch_step() == pytest.approx(19 * step_s)
+    clock.now = pressed_at + 0.5  # a load window later, and no realtime frame near its deadline since
+    clock.now = max(clock.now, sched.next_due_s())
+    assert batch_step() == pytest.approx(unsqueezed, rel=0.1, abs=1e-4)
+    assert sched.stats.pressed == 1
+
+
 def test_realtime_share_decays_when_realtime_stops():
     sched, clock = make(max_sessions=8, realtime_load_window_s=0.5)
     open_session(sched, 0, RT)

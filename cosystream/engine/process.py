@@ -399,13 +399,14 @@ def log_stats(core: EngineCore, before, period_s: float):
     batch_frames = now.batch_frames - before.batch_frames
     if steps or batch_frames:
         log.info(
-            "last %.0f s: %d realtime steps, %.1f rows and %.2f frames per row per step, %d deadline misses;"
-            " %d batch steps, %d batch frames",
+            "last %.0f s: %d realtime steps, %.1f rows and %.2f frames per row per step, %d deadline misses,"
+            " %d near their deadline (BATCH squeezed); %d batch steps, %d batch frames",
             period_s,
             steps,
             rows / max(1, steps),
             frames / max(1, rows),
             now.deadline_misses - before.deadline_misses,
+            now.pressed - before.pressed,
             now.batch_steps - before.batch_steps,
             batch_frames,
         )

@@ -78,6 +78,11 @@ left them below real time, where a file upload takes longer than its audio)."""
 REALTIME_LOAD_WINDOW_S = 0.5
 """The time constant over which realtime steps' share of the engine's time is measured (an exponential
 average), for the BATCH duty cap."""
+PRESSED_AT = 0.5
+"""A realtime step whose oldest frame waited this share of ``deadline_s`` or more squeezes BATCH to its floor
+share (``batch_min_duty``) for ``realtime_load_window_s``: realtime is near its deadline now, before the
+engine's 2 s load average (``engine/headroom.py``'s BATCH_SQUEEZED stage) has seen it. BATCH slows, never
+fails."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -187,6 +192,7 @@ class SchedulerStats:
     admitted: int = 0
     rejected: int = 0
     shed: int = 0
+    pressed: int = 0  # realtime steps whose oldest frame waited PRESSED_AT of the deadline (BATCH squeezed)
 
 
 class _Session:
@@ -221,6 +227,8 @@ class Scheduler:
         self._batch_allowed_s = -math.inf  # the duty cap's earliest time for the next BATCH step
         # Under realtime pressure (engine/headroom.py's BATCH_SQUEEZED), BATCH gets only batch_min_duty.
         self.batch_squeezed = False
+        # Until then, a realtime step near its deadline (PRESSED_AT) squeezes BATCH the same way.
+        self._pressed_until = -math.inf
         self._last_batch_s = 0.0  # the last BATCH step's measured seconds
         # The time after which a BATCH step runs even with realtime frames due (batch_min_duty's floor).
         self._batch_floor_s = -math.inf
@@ -392,6 +400,8 @@ class Scheduler:
         if not self._ready_batch:
             return None
         start = max(now, self._batch_allowed_s)
+        if now < self._pressed_until and start < self._batch_floor_s:
+            start = self._batch_floor_s  # (realtime near its deadline: BATCH gets its floor share)
         if start >= self._batch_floor_s:
             return start
         # Realtime frames due before this step would end (as long as the last one took): they go first.
@@ -538,6 +548,9 @@ class Scheduler:
                     self._rt_ending.pop(slot, None)
         st = self.stats
         if realtime:
+            if now - oldest >= deadline_s * PRESSED_AT:
+                self._pressed_until = now + self.config.realtime_load_window_s
+                st.pressed += 1
             # Frames left waiting (another T group, or a backlog) keep their own age.
             self._rt_waiting_since = min(sessions[slot].runs[0][0] for slot in ready) if ready else math.inf
             st.realtime_steps += 1
@@ -566,7 +579,7 @@ class Scheduler:
             now = self._clock()
             self._last_batch_s = seconds
             self._batch_floor_s = now + seconds * (1 / c.batch_min_duty - 1)
-            if self.batch_squeezed:  # (realtime pressure, engine/headroom.py: BATCH gets its floor share)
+            if self.batch_squeezed or now < self._pressed_until:  # (realtime pressure: BATCH's floor share)
                 self._batch_allowed_s = self._batch_floor_s
             elif c.batch_max_duty < 1:
                 share = max(c.batch_min_duty, c.batch_max_duty - self.realtime_share())
