@@ -182,6 +182,7 @@ def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
         clock.now += 0.25
         core.observe_load(0.7 * 0.25)
     assert core.report.load == 0.7 and not core.report.overloaded
+    assert core.scheduler.realtime_load == pytest.approx(0.7)  # (BATCH's duty cap subtracts the whole load)
     box = send(core, [ipc.Open(2, realtime, 0), ipc.Open(3, batch, 0)])
     rejected = [e for e in box.events if isinstance(e, ipc.Rejected)]
     assert [(e.key, e.retry_after_s, e.reason) for e in rejected] == [(2, RETRY_AFTER_S, "overloaded")]
@@ -196,7 +197,43 @@ def test_the_engine_refuses_realtime_past_the_limit_and_admits_batch():
     for _ in range(8):
         clock.now += 0.25
         core.observe_load(0.1 * 0.25)
-    assert not core.report.overloaded
+    assert not core.report.overloaded and core.scheduler.realtime_load == pytest.approx(0.1)
+    assert [type(e) for e in send(core, [ipc.Open(2, realtime, 0)]).events] == [ipc.Opened]
+
+
+def test_batch_sessions_open_take_their_floor_share_off_the_realtime_limit():
+    headroom = Headroom(0.9, window_s=1.0, clock=FakeClock())
+    cost = line_cost(1.0, 1.0)
+    for _ in range(4):
+        headroom.observe(0.7, rows=4, frames=1)
+    assert headroom.projected(4, cost) == pytest.approx(0.84)
+    assert headroom.refuse(4, cost) is None  # 0.84 <= 0.9
+    why = headroom.refuse(4, cost, batch_share=0.1)  # 0.84 > 0.9 - 0.1: BATCH keeps a tenth of the engine
+    assert why is not None and "(projected load 0.84 with one more, limit 0.9 less BATCH's floor share 0.1)" in why
+    assert headroom.refuse(4, cost, batch_share=0.05) is None
+
+
+def test_the_engine_prices_batchs_floor_share_into_realtime_admission_while_batch_sessions_are_open():
+    clock = FakeClock()
+    config_ = EngineConfig(
+        max_sessions=8, max_batch=8, realtime_batch_window_s=0, admit_load=0.9, overload_window_s=60.0
+    )
+    core = EngineCore([tiny(1, 0)], config_, torch.device("cpu"), None, ["m"], None, clock)
+    realtime, batch = int(Priority.REALTIME), int(Priority.BATCH)
+    send(core, [ipc.Open(1, realtime, 0)])
+    send(core, [], {1: FRAMES[:1]})  # (torch's first step: out of the windows below)
+    for _ in range(8):  # 2 s at 0.43: one more session projects to at most 0.86, over 0.9 - 0.1, under 0.9
+        send(core, [], {1: FRAMES[:1]})
+        clock.now += 0.25
+        core.observe_load(0.43 * 0.25)
+    projected = core.headroom.projected(1, core._realtime_step_cost)
+    assert 0.8 < projected <= 0.86, projected
+    box = send(core, [ipc.Open(3, batch, 0), ipc.Open(2, realtime, 0)])
+    assert [e.key for e in box.events if isinstance(e, ipc.Opened)] == [3]
+    (rejected,) = [e for e in box.events if isinstance(e, ipc.Rejected)]
+    assert rejected.key == 2 and rejected.reason == "overloaded"
+    assert "limit 0.9 less BATCH's floor share 0.1)" in rejected.message
+    send(core, [ipc.Close(3)])  # the file is done: realtime gets the whole limit back
     assert [type(e) for e in send(core, [ipc.Open(2, realtime, 0)]).events] == [ipc.Opened]
 
 

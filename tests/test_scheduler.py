@@ -625,6 +625,61 @@ def test_squeezed_batch_gets_only_its_floor_share_and_still_runs(duty):
 
 
 @pytest.mark.parametrize("duty", [0.5, 1.0])
+def test_a_squeeze_that_begins_or_ends_between_two_batch_steps_moves_the_next_one(duty):
+    # The engine's stage changes once per load window, at any point of a BATCH step's gap: the next step obeys
+    # the stage as it is when that step is due, not as it was when the last one ended.
+    sched, clock = make(max_sessions=8, batch_max_duty=duty, batch_min_duty=0.05)
+    open_session(sched, 1, BATCH)
+    sched.add_frames(1, 10_000, clock.now)
+    step_s = 0.004
+    unsqueezed, floor = step_s * (1 / duty - 1), 19 * step_s
+
+    def batch_step() -> None:
+        plan = sched.schedule()
+        assert plan is not None and plan.priority == BATCH
+        clock.now += step_s
+        sched.update_cost(plan.rows, plan.frames, step_s, BATCH)
+
+    batch_step()
+    assert sched.next_due_s() - clock.now == pytest.approx(unsqueezed)
+    sched.batch_squeezed = True  # (the BATCH_SQUEEZED stage begins right after the step)
+    assert sched.next_due_s() - clock.now == pytest.approx(floor)
+    clock.now += unsqueezed
+    assert sched.schedule() is None
+    clock.now = sched.next_due_s()
+    batch_step()
+    assert sched.next_due_s() - clock.now == pytest.approx(floor)
+    sched.batch_squeezed = False  # (the load fell: BATCH recovers at once, not after the floor's gap)
+    assert sched.next_due_s() - clock.now == pytest.approx(unsqueezed)
+    assert sched.stats.batch_steps == 2
+
+
+@pytest.mark.parametrize(
+    ("step_share", "engine_load", "gap_steps"),
+    [
+        (0.0, 0.0, 1.0),  # duty 0.5, nothing realtime: BATCH takes half
+        (0.0, 0.3, 4.0),  # realtime's frames kept the loop busy 0.3 outside steps: BATCH gets 0.2 (waits 4d)
+        (0.3, 0.1, 4.0),  # the engine's load measured under its realtime steps' share: the steps' share counts
+        (0.0, 0.6, 19.0),  # past the cap: the floor
+    ],
+)
+def test_batch_duty_cap_subtracts_the_engines_whole_realtime_load(step_share, engine_load, gap_steps):
+    sched, clock = make(max_sessions=8, batch_max_duty=0.5, batch_min_duty=0.05, realtime_load_window_s=0.5)
+    open_session(sched, 0, RT)
+    open_session(sched, 1, BATCH)
+    if step_share:
+        run_realtime_load(sched, clock, 0, step_share, 3.0)
+    sched.realtime_load = engine_load  # (engine/core.py sets it once per load window)
+    sched.add_frames(1, 1000, clock.now)
+    plan = sched.schedule()
+    assert plan.priority == BATCH
+    step_s = 0.004
+    clock.now += step_s
+    sched.update_cost(plan.rows, plan.frames, step_s, BATCH)
+    assert sched.next_due_s() - clock.now == pytest.approx(gap_steps * step_s, rel=0.06)
+
+
+@pytest.mark.parametrize("duty", [0.5, 1.0])
 def test_a_realtime_step_near_its_deadline_squeezes_batch_at_once_for_a_load_window(duty):
     # Deadline 100 ms (UNIT): a realtime frame that waited 50 ms or more presses; one that waited 40 does not.
     sched, clock = make(max_sessions=8, batch_max_duty=duty, batch_min_duty=0.05, realtime_load_window_s=0.5)

@@ -271,7 +271,9 @@ class EngineCore:
             return
         asked, model = self.names[model], current
         if priority == Priority.REALTIME and self.headroom.admit_load:  # (off: no count per open)
-            why = self.headroom.refuse(self._realtime_open, self._realtime_step_cost)
+            sched = self.scheduler
+            floor = sched.config.batch_min_duty if sched.batch_open else 0.0  # (BATCH keeps it: priced in)
+            why = self.headroom.refuse(self._realtime_open, self._realtime_step_cost, floor)
             if why is not None:
                 self._box(frontend).events.append(ipc.Rejected(key, why, RETRY_AFTER_S, "overloaded"))
                 if self.metrics is not None:
@@ -416,6 +418,7 @@ class EngineCore:
     def _observe_window(self, load: float) -> None:
         """A load window ended: the overload state, the metrics and the frontends' report."""
         window, self._window = self._window, _RealtimeWindow()
+        self.scheduler.realtime_load = min(1.0, load)  # (BATCH's duty cap subtracts it, IPC and results included)
         stage = self.headroom.stage
         counts = self.active_sessions()
         steps = window.steps

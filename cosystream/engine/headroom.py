@@ -14,7 +14,9 @@ work around the steps: IPC, queueing, results), which no batching makes cheaper,
 sessions``. So a ramp of arrivals is priced as it is admitted, before their speech reaches the measured load,
 and after a burst of calls has ended the load of those calls is not charged to the sessions left. A new
 REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when that projection
-would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`). Before the cost model has measured
+would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`), less BATCH's floor share of the
+engine's time while BATCH sessions are open (``scheduler.BATCH_MIN_DUTY``: BATCH keeps it however busy
+realtime is, so without it a load at the limit would leave realtime none of the limit's slack). Before the cost model has measured
 both sizes, the projection is linear in rows (the cautious side). BATCH sessions are not refused for load:
 they are stepped only in the time realtime leaves (``engine/scheduler.py``), so load slows them instead.
 
@@ -183,14 +185,18 @@ class Headroom:
                 stage = begins
         return stage
 
-    def refuse(self, realtime: int, cost: StepCost | None = None) -> str | None:
+    def refuse(self, realtime: int, cost: StepCost | None = None, batch_share: float = 0.0) -> str | None:
         """Why a new REALTIME session is refused, with ``realtime`` open; None: admitted. ``cost``: the
-        scheduler's step cost model (None: linear in rows)."""
+        scheduler's step cost model (None: linear in rows). ``batch_share``: the share of the engine's time
+        BATCH work keeps however busy realtime is (its floor, while BATCH sessions are open), taken off the
+        limit: the load leaves realtime the slack the limit meant only after BATCH's floor."""
         projected = self.projected(realtime, cost) if self.admit_load and realtime else None
-        if projected is None or projected <= self.admit_load:  # (the first session always: its cost is unknown)
+        limit = self.admit_load - batch_share
+        if projected is None or projected <= limit:  # (the first session always: its cost is unknown)
             return None
         self.refused += 1
+        of = f"{self.admit_load:g} less BATCH's floor share {batch_share:g}" if batch_share else f"{limit:g}"
         return (
             f"the server is at capacity for realtime sessions (projected load {projected:.2f} with one more, "
-            f"limit {self.admit_load:g}); retry in {RETRY_AFTER_S:g} s or on another server"
+            f"limit {of}); retry in {RETRY_AFTER_S:g} s or on another server"
         )

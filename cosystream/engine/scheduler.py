@@ -103,10 +103,12 @@ class SchedulerConfig:
     # a fixed ~1 ms on a CPU plus a little per row, so stepping every arrival alone saturates the core.
     realtime_batch_window_s: float = REALTIME_BATCH_WINDOW_S
     # Most of the engine's time steps may take before BATCH work waits (1 = BATCH takes all that realtime
-    # leaves). Below 1 leaves CPU to frontends sharing the cores: BATCH gets ``duty`` minus the share
-    # realtime steps took lately (at least ``batch_min_duty``), so after a BATCH step of d seconds the next
-    # waits d * (1/share - 1). Realtime's share counts because on shared cores every BATCH frame stepped
-    # also costs its frontend the decoding of it, on the same cores realtime streams need.
+    # leaves). Below 1 leaves CPU to frontends sharing the cores: BATCH gets ``duty`` minus the share of
+    # the engine's time realtime took lately (at least ``batch_min_duty``), so after a BATCH step of d seconds
+    # the next waits d * (1/share - 1). Realtime's share is the larger of its steps' (realtime_share()) and
+    # the engine's whole realtime load (``realtime_load``: its frames' IPC and results as well). It counts
+    # because on shared cores every BATCH frame stepped also costs its frontend the decoding of it, on the
+    # same cores realtime streams need.
     batch_max_duty: float = 1.0
     batch_min_duty: float = BATCH_MIN_DUTY
     realtime_load_window_s: float = REALTIME_LOAD_WINDOW_S
@@ -229,6 +231,10 @@ class Scheduler:
         self.batch_squeezed = False
         # Until then, a realtime step near its deadline (PRESSED_AT) squeezes BATCH the same way.
         self._pressed_until = -math.inf
+        # The engine's realtime load over its last load window (engine/core.py): the share of wall time its loop
+        # was busy with everything but BATCH steps (realtime steps, and each frame's IPC, queueing and results,
+        # which realtime_share() leaves out). The duty cap subtracts the larger of the two.
+        self.realtime_load = 0.0
         self._last_batch_s = 0.0  # the last BATCH step's measured seconds
         # The time after which a BATCH step runs even with realtime frames due (batch_min_duty's floor).
         self._batch_floor_s = -math.inf
@@ -253,6 +259,11 @@ class Scheduler:
     @property
     def num_active(self) -> int:
         return self._num_active
+
+    @property
+    def batch_open(self) -> int:
+        """BATCH sessions holding a slot."""
+        return len(self._batch_admitted)
 
     def admit(self, priority: Priority) -> int | None:
         """Make room for one new session, before the engine allocates its slot.
@@ -400,8 +411,8 @@ class Scheduler:
         if not self._ready_batch:
             return None
         start = max(now, self._batch_allowed_s)
-        if now < self._pressed_until and start < self._batch_floor_s:
-            start = self._batch_floor_s  # (realtime near its deadline: BATCH gets its floor share)
+        if start < self._batch_floor_s and self._squeezed(now):
+            start = self._batch_floor_s  # (realtime pressure: BATCH gets its floor share)
         if start >= self._batch_floor_s:
             return start
         # Realtime frames due before this step would end (as long as the last one took): they go first.
@@ -409,6 +420,12 @@ class Scheduler:
         if due is not None and due < start + self._last_batch_s:
             return self._batch_floor_s  # (or after realtime's step, which comes sooner)
         return start
+
+    def _squeezed(self, now: float) -> bool:
+        """BATCH gets only its floor share now: the engine's BATCH_SQUEEZED stage, or a realtime step near
+        its deadline within the last load window (PRESSED_AT). Checked when the next BATCH step is due, not
+        when the last one ended, so pressure that begins between the two holds the next one back."""
+        return self.batch_squeezed or now < self._pressed_until
 
     def _batch_due(self, now: float) -> bool:
         start = self._batch_next_s(now)
@@ -578,11 +595,10 @@ class Scheduler:
         elif priority == Priority.BATCH:
             now = self._clock()
             self._last_batch_s = seconds
-            self._batch_floor_s = now + seconds * (1 / c.batch_min_duty - 1)
-            if self.batch_squeezed or now < self._pressed_until:  # (realtime pressure: BATCH's floor share)
-                self._batch_allowed_s = self._batch_floor_s
-            elif c.batch_max_duty < 1:
-                share = max(c.batch_min_duty, c.batch_max_duty - self.realtime_share())
+            self._batch_floor_s = now + seconds * (1 / c.batch_min_duty - 1)  # (_batch_next_s: when squeezed)
+            if c.batch_max_duty < 1:
+                realtime = max(self.realtime_share(), self.realtime_load)
+                share = max(c.batch_min_duty, c.batch_max_duty - realtime)
                 self._batch_allowed_s = now + seconds * (1 / share - 1)
         key = (self._row_bucket(rows), frames)
         costs = self._cost_s[model]

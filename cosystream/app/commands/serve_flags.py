@@ -314,7 +314,7 @@ def _steps(parser: argparse.ArgumentParser) -> None:
         "--batch-duty",
         type=float,
         default=None,
-        help="most of the engine's time BATCH work may use (default: 0.5 on CPU, where frontends share the cores; 1 on CUDA)",
+        help="most of the engine's time BATCH work may use, less the share its realtime load took lately, down to a 10%% floor (default: 0.5 on CPU, where frontends share the cores; 1 on CUDA)",
     )
 
 
