@@ -34,7 +34,7 @@ class Counters:
     def __init__(self, cores: float = 2.0):
         self.cores = cores
         self.busy = self.own = self.now = 0.0
-        self.sessions = 0
+        self.sessions = self.batch_sessions = 0
 
     def busy_s(self) -> float:
         return self.busy
@@ -57,6 +57,7 @@ def headroom_of(counters: Counters) -> CpuHeadroom:
         own_s=lambda: counters.own,
         clock=lambda: counters.now,
         realtime_sessions=lambda: counters.sessions,
+        batch_sessions=lambda: counters.batch_sessions,
     )
 
 
@@ -91,6 +92,29 @@ def test_batchs_share_of_the_frontends_cpu_is_left_out_and_the_last_price_kept_w
     counters.run(headroom, WINDOW_S, busy=1.0, own=0.0, realtime=0, batch=0)  # (the host busy with others)
     assert headroom.window.per_session == pytest.approx(0.01) and headroom.window.sessions == 0
     assert headroom.window.projected(0) == pytest.approx(1.01)
+
+
+def test_batch_is_priced_at_what_it_keeps_once_slowed_to_real_time():
+    # Four files read at 1.5x real time each (6 s of audio per second) and 10 calls: 0.4 of the frontend's
+    # cores, 0.3 of them BATCH. Shed, BATCH is read at real time (4 s per second), so it keeps 0.2 of those
+    # cores: only 0.1 can be freed for the calls. Read at 30x, the same 4 files keep 4/30 of their CPU.
+    counters = Counters(cores=2.0)
+    headroom = headroom_of(counters)
+    counters.sessions, counters.batch_sessions = 10, 4
+    headroom.sample()
+    counters.run(headroom, WINDOW_S, busy=1.5, own=0.4, realtime=2, batch=6)
+    window = headroom.window
+    assert window.batch == pytest.approx(0.3) and window.batch_at_real_time == pytest.approx(0.2)
+    assert window.per_session == pytest.approx(0.01)
+    assert window.projected(10) == pytest.approx(1.5 - 0.1 + 0.01)
+    counters.run(headroom, WINDOW_S, busy=1.5, own=0.4, realtime=2, batch=30)
+    window = headroom.window
+    assert window.batch == pytest.approx(0.4 * 30 / 32) and window.projected(10) == pytest.approx(
+        1.5 - window.batch * (1 - 4 / 30) + window.per_session
+    )
+    counters.batch_sessions = 0  # (the files done: nothing kept)
+    counters.run(headroom, WINDOW_S, busy=1.0, own=0.1, realtime=10, batch=0)
+    assert headroom.window.batch == 0 and headroom.window.batch_at_real_time == 0
 
 
 def test_cgroup_quotas_v2_and_v1_and_none(tmp_path: Path):

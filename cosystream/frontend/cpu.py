@@ -7,12 +7,15 @@ lateness, the loop lag) see it only once the calls admitted meanwhile are alread
 opens comes faster than any window: ``docs/PERFORMANCE.md``, "The audio's lateness"). So the CPU is priced
 the way the engine's load is (``engine/headroom.py``), before the session is taken:
 
-    projected = busy - batch + cost x (realtime sessions open + 1 - realtime sessions in the window)
+    projected = busy - batch + batch at real time + cost x (realtime sessions open + 1 - realtime sessions
+                in the window)
 
 ``busy``: the cores in use over the last :data:`WINDOW_S` on the CPUs this frontend may run on (its
 affinity; in a container with a CPU quota, the container's usage against its quota), by every process;
 ``batch``: the share of this frontend's own CPU spent reading BATCH audio (shed first: BATCH is then read
-no faster than real time); ``cost``: this frontend's CPU per REALTIME session over the window (its own CPU
+no faster than real time); ``batch at real time``: what of it is left once it is shed, each BATCH stream read
+at real time (BATCH slowed, not stopped: four files at 1.5x real time shed a third of their CPU, not all of
+it); ``cost``: this frontend's CPU per REALTIME session over the window (its own CPU
 time, its realtime share by audio read, over the mean of the realtime sessions it held), so the sessions
 opened since the window are priced before their audio shows in it. Past ``serve --admit-cpu`` of the
 cores, new REALTIME sessions are refused (RESOURCE_EXHAUSTED with a RetryInfo), and while the host is past
@@ -148,35 +151,47 @@ class _Sample:
     realtime_audio_s: float
     batch_audio_s: float
     realtime_sessions: int
+    batch_sessions: int
 
 
 @dataclass(frozen=True, slots=True)
 class CpuWindow:
-    """The last window's figures: cores busy (of ``cores``), this frontend's cores on BATCH, its cores per
-    REALTIME session, and the mean of its realtime sessions."""
+    """The last window's figures: cores busy (of ``cores``), this frontend's cores on BATCH (and of them,
+    those its BATCH streams would take read at real time), its cores per REALTIME session, and the mean of
+    its realtime sessions."""
 
     cores: float
     busy: float
     batch: float
     per_session: float
     sessions: float
+    batch_at_real_time: float = 0.0
 
     def projected(self, open_now: int) -> float:
-        """The cores busy with one more REALTIME session, ``open_now`` open (BATCH's share left out)."""
-        return self.busy - self.batch + self.per_session * max(0.0, open_now + 1 - self.sessions)
+        """The cores busy with one more REALTIME session, ``open_now`` open (BATCH's share above real time
+        left out: shed first)."""
+        shed = self.batch - self.batch_at_real_time
+        return self.busy - shed + self.per_session * max(0.0, open_now + 1 - self.sessions)
 
 
 class CpuHeadroom:
     """A frontend's view of its host's CPU, sampled every :data:`SAMPLE_S` once :meth:`start` is called."""
 
     def __init__(
-        self, host: HostCpu | None = None, own_s=time.process_time, clock=time.monotonic, realtime_sessions=None
+        self,
+        host: HostCpu | None = None,
+        own_s=time.process_time,
+        clock=time.monotonic,
+        realtime_sessions=None,
+        batch_sessions=None,
     ):
-        """``own_s``: this process's CPU seconds; ``realtime_sessions``: the REALTIME sessions it holds now."""
+        """``own_s``: this process's CPU seconds; ``realtime_sessions`` and ``batch_sessions``: the REALTIME and
+        BATCH streams it reads now."""
         self.host = host if host is not None else HostCpu(quota=cgroup_quota())
         self._own_s = own_s
         self._clock = clock
         self._realtime_sessions = realtime_sessions or (lambda: 0)
+        self._batch_sessions = batch_sessions or (lambda: 0)
         self._audio = {Priority.REALTIME: 0.0, Priority.BATCH: 0.0}
         self._samples: deque[_Sample] = deque()
         self._task: asyncio.Task | None = None
@@ -215,6 +230,7 @@ class CpuHeadroom:
             self._audio[Priority.REALTIME],
             self._audio[Priority.BATCH],
             self._realtime_sessions(),
+            self._batch_sessions(),
         )
         self._samples.append(sample)
         self.sampled += 1
@@ -229,12 +245,21 @@ class CpuHeadroom:
         batch_audio = sample.batch_audio_s - first.batch_audio_s
         audio = realtime_audio + batch_audio
         batch = own * batch_audio / audio if audio > 0 else 0.0
-        sessions = sum(s.realtime_sessions for s in islice(self._samples, 1, None)) / (len(self._samples) - 1)
+        n = len(self._samples) - 1
+        sessions = sum(s.realtime_sessions for s in islice(self._samples, 1, None)) / n
+        # BATCH read at real time: each stream 1 s of audio per second, at the window's CPU per BATCH audio second.
+        batch_streams = sum(s.batch_sessions for s in islice(self._samples, 1, None)) / n
+        at_real_time = batch * min(1.0, batch_streams * span_s / batch_audio) if batch_audio > 0 else 0.0
         per_session = (own - batch) / sessions if sessions >= 1 and realtime_audio > 0 else None
         if per_session is None and self.window is not None:
             per_session = self.window.per_session  # (the last measured, while no realtime runs)
         self.window = CpuWindow(
-            self.host.cores, (sample.busy_s - first.busy_s) / span_s, batch, per_session or 0.0, sessions
+            self.host.cores,
+            (sample.busy_s - first.busy_s) / span_s,
+            batch,
+            per_session or 0.0,
+            sessions,
+            at_real_time,
         )
 
     @property

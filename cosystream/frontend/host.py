@@ -130,7 +130,8 @@ class SessionHost:
         self.metrics = metrics or FrontendMetrics()
         self.vocabularies = dict(options.vocabularies)
         self.lag = LoopLag()  # (sampling from the first stream on)
-        self.cpu = CpuHeadroom(realtime_sessions=self.realtime_streams)  # (sampling from the frontend's start)
+        # (sampling from the frontend's start)
+        self.cpu = CpuHeadroom(realtime_sessions=self.realtime_streams, batch_sessions=self.batch_streams)
         self.batch_pace = math.inf  # each BATCH stream read at most this fast (x real time): _pace_batch
         self._paced_at = 0  # the CPU sample the pace last moved on
         self._late_checked_s = 0.0
@@ -197,6 +198,10 @@ class SessionHost:
     def realtime_streams(self) -> int:
         """The REALTIME streams this frontend reads now (held for a resume, or no longer sending: left out)."""
         return sum(1 for _ in self._live_clocks())
+
+    def batch_streams(self) -> int:
+        """The BATCH streams this frontend reads now."""
+        return sum(1 for s in self._streams if s.priority == Priority.BATCH and s.state == StreamState.STREAMING)
 
     @property
     def audio_late_s(self) -> float:
