@@ -16,9 +16,10 @@ and after a burst of calls has ended the load of those calls is not charged to t
 REALTIME session is refused, RESOURCE_EXHAUSTED with a retry delay (gRPC ``RetryInfo``), when that projection
 would pass ``admit_load`` (``serve --admit-load``, :data:`ADMIT_LOAD`), less BATCH's floor share of the
 engine's time while BATCH sessions are open (``scheduler.BATCH_MIN_DUTY``: BATCH keeps it however busy
-realtime is, so without it a load at the limit would leave realtime none of the limit's slack). Before the cost model has measured
-both sizes, the projection is linear in rows (the cautious side). BATCH sessions are not refused for load:
-they are stepped only in the time realtime leaves (``engine/scheduler.py``), so load slows them instead.
+realtime is, so without it a load at the limit would leave realtime none of the limit's slack). Before the
+cost model has measured both sizes, the projection is linear in rows (the cautious side). BATCH sessions are
+not refused for load: they are stepped only in the time realtime leaves (``engine/scheduler.py``), so load
+slows them instead.
 
 Under realtime pressure the engine sheds work in **stages** (:class:`Degradation`), the cheapest to lose
 first, each keeping the ones before it, each a log line and the gauge ``cosystream_engine_degradation``, and
