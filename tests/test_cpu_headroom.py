@@ -7,6 +7,7 @@ busy processes."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -117,7 +118,7 @@ def test_batch_is_priced_at_what_it_keeps_once_slowed_to_real_time():
     assert headroom.window.batch == 0 and headroom.window.batch_at_real_time == 0
 
 
-def test_cgroup_quotas_v2_and_v1_and_none(tmp_path: Path):
+def test_cgroup_quotas_v2_and_v1_and_none(tmp_path: Path, caplog):
     v2 = tmp_path / "v2"
     (v2 / "app").mkdir(parents=True)
     (v2 / "app" / "cpu.max").write_text("150000 100000\n")
@@ -139,6 +140,26 @@ def test_cgroup_quotas_v2_and_v1_and_none(tmp_path: Path):
     (v1 / "cpuacct" / "pod" / "cpuacct.usage").write_text("3000000000\n")
     quota = cgroup_quota(v1, "4:memory:/pod\n3:cpuacct:/pod\n2:cpu:/pod\n0::/\n")
     assert quota.cores == 0.5 and quota.used_s() == 3.0
+    # cpuacct mounted on its own, this process in another of its cgroups: that one's usage.
+    (v1 / "cpuacct" / "batch").mkdir()
+    (v1 / "cpuacct" / "batch" / "cpuacct.usage").write_text("7000000000\n")
+    assert cgroup_quota(v1, "3:cpuacct:/batch\n2:cpu:/pod\n").used_s() == 7.0
+    # No cpuacct controller for it at all: the quota's cores still count (serve's default --frontends), its
+    # use is not known (admission by CPU has no window to refuse on).
+    (v1 / "cpuacct" / "pod" / "cpuacct.usage").unlink()
+    split = cgroup_quota(v1, "2:cpu:/pod\n")
+    assert split.cores == 0.5 and split.used_s() is None
+    host = HostCpu(quota=split, cpus=set(range(64)))
+    assert host.cores == 0.5 and host.busy_s() is None and default_frontends(host.cores) == 1
+    with caplog.at_level(logging.WARNING, logger="cosystream.frontend.cpu"):
+        unknown = CpuHeadroom(host)
+        unknown.sample()
+        unknown.sample()
+    assert unknown.window is None and unknown.sampled == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "the host's CPU use cannot be read (its cgroup has a CPU quota but no cpuacct usage): admission by CPU "
+        "refuses nothing"
+    ]
     (v1 / "cpu" / "pod" / "cpu.cfs_quota_us").write_text("-1\n")
     assert cgroup_quota(v1, "3:cpuacct:/pod\n2:cpu:/pod\n") is None
 

@@ -75,14 +75,15 @@ def _cgroup_dirs(root: Path, proc_cgroup: str, controller: str) -> list[Path]:
 @dataclass(frozen=True, slots=True)
 class Quota:
     """A cgroup's CPU quota: its cores, and the file holding its usage (v2: ``cpu.stat`` usage_usec, v1:
-    ``cpuacct.usage`` in ns)."""
+    ``cpuacct.usage`` in ns; None: v1 with no ``cpuacct`` controller mounted for it, the cores still count but
+    their use is not known)."""
 
     cores: float
-    usage: Path
+    usage: Path | None
     v2: bool
 
     def used_s(self) -> float | None:
-        text = _read(self.usage)
+        text = _read(self.usage) if self.usage is not None else None
         if text is None:
             return None
         if not self.v2:
@@ -96,7 +97,8 @@ class Quota:
 
 def cgroup_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = None) -> Quota | None:
     """The CPU quota of this process's cgroup or the nearest parent with one (v2 ``cpu.max``, v1
-    ``cpu.cfs_quota_us``); None: no quota (or no cgroup file system)."""
+    ``cpu.cfs_quota_us``); None: no quota (or no cgroup file system). Under v1 the usage is the ``cpuacct``
+    controller's, of this process's own ``cpuacct`` cgroup where that controller is mounted on its own."""
     if proc_cgroup is None:
         proc_cgroup = _read(Path("/proc/self/cgroup")) or ""
     for folder in _cgroup_dirs(root, proc_cgroup, ""):
@@ -107,11 +109,13 @@ def cgroup_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = 
     for folder in _cgroup_dirs(root, proc_cgroup, "cpu"):
         quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
         if quota and period and int(quota) > 0:
-            usage = root / "cpuacct" / folder.relative_to(root / "cpu") / "cpuacct.usage"
-            if not usage.exists():
-                usage = folder / "cpuacct.usage"
-            if usage.exists():
-                return Quota(int(quota) / int(period), usage, v2=False)
+            usages = [d / "cpuacct.usage" for d in _cgroup_dirs(root, proc_cgroup, "cpuacct")[:1]]
+            usages += [
+                root / "cpuacct" / folder.relative_to(root / "cpu") / "cpuacct.usage",
+                folder / "cpuacct.usage",
+            ]
+            usage = next((path for path in usages if path.exists()), None)
+            return Quota(int(quota) / int(period), usage, v2=False)
     return None
 
 
@@ -196,6 +200,7 @@ class CpuHeadroom:
         self._samples: deque[_Sample] = deque()
         self._task: asyncio.Task | None = None
         self.sampled = 0  # samples taken so far (a new one: busy_now moved)
+        self._unreadable = False  # (said once)
         self.window: CpuWindow | None = None  # None until a whole window is sampled
 
     def read_audio(self, priority: Priority, audio_s: float) -> None:
@@ -221,6 +226,11 @@ class CpuHeadroom:
         """Take one sample and update :attr:`window` from the oldest one within :data:`WINDOW_S`."""
         busy_s = self.host.busy_s()
         if busy_s is None:
+            if not self._unreadable:
+                self._unreadable = True
+                quota = self.host.quota
+                where = "its cgroup has a CPU quota but no cpuacct usage" if quota else "/proc/stat is unreadable"
+                log.warning("the host's CPU use cannot be read (%s): admission by CPU refuses nothing", where)
             return
         now = self._clock()
         sample = _Sample(
