@@ -741,7 +741,12 @@ def test_ten_concurrent_calls(gateway, phone, call_audio):
     for thread in threads:
         thread.join(30)
     for p in phones:
-        check_finals(gateway.wait_ended(p.call_id), span_ms, p.call_id)
+        lines = gateway.wait_ended(p.call_id)
+        ended = [line for line in gateway.log.read_text().splitlines() if f"call {p.call_id} ended" in line]
+        assert any(line["is_final"] for line in lines), (
+            f"no final for call {p.call_id}; the gateway logged {ended}"
+        )
+        check_finals(lines, span_ms, p.call_id)
 
 
 # -- end to end: real peers ------------------------------------------------------------------------
