@@ -530,9 +530,17 @@ def rtp_stream(payload: bytes, pt: int, ssrc: int = 0x1111, seq0: int = 65500, t
     ]
 
 
-def send_paced(sock: socket.socket, destination: tuple[str, int], packets: list[bytes], pace_s: float = 0.01):
+def send_paced(
+    sock: socket.socket,
+    destination: tuple[str, int],
+    packets: list[bytes],
+    pace_s: float = 0.01,
+    stop: threading.Event | None = None,
+):
     start = time.monotonic()
     for i, data in enumerate(packets):
+        if stop is not None and stop.is_set():
+            return
         if data:
             try:
                 sock.sendto(data, destination)
@@ -546,7 +554,9 @@ def send_paced(sock: socket.socket, destination: tuple[str, int], packets: list[
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer(engine=EngineConfig(max_sessions=16, max_batch=16)) as srv:
+    # Admission by load off: ten calls and their senders on a 2-core host can pass the engine's 0.9 limit,
+    # and these tests are about the gateway (its 503 for an overloaded server: test_an_overloaded_server...).
+    with LocalServer(engine=EngineConfig(max_sessions=16, max_batch=16, admit_load=0)) as srv:
         yield srv
 
 
@@ -1097,7 +1107,59 @@ def test_ari_external_media_two_channels_at_once(gateway, call_audio):
     )
 
 
-# -- end to end: a server outage -------------------------------------------------------------------
+# -- end to end: an overloaded server, a server outage -------------------------------------------------------------------
+
+
+@needs_espeak
+def test_an_overloaded_server_gets_new_calls_a_503_with_a_retry_after(tmp_path, call_audio):
+    import grpc
+
+    from cosystream.v1 import cosystream_pb2 as pb
+    from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+
+    audio, _ = call_audio
+    # A limit so low that one live call passes it (an idle engine's load: under 0.005).
+    engine = EngineConfig(max_sessions=4, max_batch=4, admit_load=0.02, overload_window_s=0)
+    with LocalServer(engine=engine) as server, grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CosyStreamStub(channel)
+
+        def overloaded() -> bool:
+            return stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).load.overloaded
+
+        gw = Gateway(tmp_path, server.address, "--rtp-timeout-s", "10")
+        phones = [Phone(gw.address) for _ in range(3)]
+        first, second, third = phones
+        stop = threading.Event()
+        try:
+            assert first.invite().status == 200  # (an idle server)
+            packets = rtp_stream(g711(np.tile(audio, 20), first.codec), pt=0)
+            with first.media as media:
+                sender = threading.Thread(target=send_paced, args=(media, first.rtp, packets, 0.02, stop))
+                sender.start()
+                deadline = time.monotonic() + 30
+                while not overloaded():
+                    assert time.monotonic() < deadline, "the server never overloaded under a live call"
+                    time.sleep(0.1)
+                refused = second.invite()
+                assert (refused.status, refused.get("retry-after")) == (503, "2")
+                log = gw.wait_log(f"call {second.call_id}: refused, the cosystream server {server.address} is ")
+                assert "is overloaded (engine load" in log and "limit 0.02)" in log
+                stop.set()
+                sender.join(10)
+            assert first.bye().status == 200
+            deadline = time.monotonic() + 30
+            while overloaded():  # (the load falls back under the limit with the call gone)
+                assert time.monotonic() < deadline, "the server stayed overloaded with no call"
+                time.sleep(0.1)
+            assert third.invite().status == 200
+            assert third.bye().status == 200
+            assert gw.alive()
+        finally:
+            stop.set()
+            for p in phones:
+                p.close()
+            log = gw.stop()
+        assert gw.process.returncode == 0 and "Traceback" not in log, log[-3000:]
 
 
 @needs_espeak

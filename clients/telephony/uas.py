@@ -4,7 +4,9 @@
 BYE goes back on it; over TCP and TLS nothing is retransmitted (RFC 3261 17: reliable transports).
 
 Requests: INVITE (100, 180, then 200 with an SDP answer; 488 without PCMU/PCMA; 486 at
-``max_calls``; 503 while the cosystream server is unreachable; re-INVITEs get the same answer and
+``max_calls``; 503 with a Retry-After while the cosystream server is unreachable or overloaded (its load
+service NOT_SERVING: it refuses new realtime sessions, so the caller's proxy can try another gateway
+rather than get a call hung up at once); re-INVITEs get the same answer and
 move the accepted RTP source to their offer's), ACK,
 BYE and CANCEL (200 and teardown; a CANCEL that arrives after the 200 is answered 200 and changes
 nothing, as RFC 3261 9.2 says), OPTIONS (200); anything else 501. A retransmitted request gets the
@@ -43,6 +45,11 @@ from .sdp import SdpError, answer_sdp, negotiate
 from .security import SecurityStats, SipGuard, should_log
 
 logger = logging.getLogger(__name__)
+
+# Retry-After of a 503 (s): while the server cannot be reached, and while it is overloaded (the retry delay
+# its own RESOURCE_EXHAUSTED refusals advise, cosystream/engine/headroom.py).
+UNREACHABLE_RETRY_AFTER_S = 5
+OVERLOADED_RETRY_AFTER_S = 2
 
 T1_S = 0.5
 T2_S = 4.0
@@ -431,11 +438,13 @@ class SipUas:
             self._respond(tx, 180, "Ringing")
             if self.config.ring_ms:
                 await asyncio.sleep(self.config.ring_ms / 1000)
-            if not await self._server_ready():
-                logger.error(
-                    "call %s: refused, the cosystream server %s is unreachable", info.call_id, self.config.server
+            refusal = await self._server_refusal()
+            if refusal is not None:
+                level, why, retry_after_s = refusal
+                logger.log(
+                    level, "call %s: refused, the cosystream server %s %s", info.call_id, self.config.server, why
                 )
-                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", "5")])
+                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(retry_after_s))])
                 return
             host = self._local_ip(tx.source[0])
             port = await media.open(self.config.bind, self._ports)
@@ -477,14 +486,16 @@ class SipUas:
                 media.close()
                 self._slots.release()
 
-    async def _server_ready(self) -> bool:
-        """The server is reachable and takes the gateway's credentials (a call it would refuse is not
-        answered: the caller gets 503 rather than a silent call)."""
+    async def _server_refusal(self) -> tuple[int, str, int] | None:
+        """The log level and why the server would not take this call, and the Retry-After (s) for the
+        caller's 503; None: it is reachable, takes the gateway's credentials and is not overloaded. (A call
+        it would refuse is not answered: the caller gets 503 rather than a silent call, or one hung up as
+        soon as it starts.)"""
         try:
             await asyncio.wait_for(self._channel.channel_ready(), self.config.connect_timeout_s)
-            await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.config.connect_timeout_s)
+            info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.config.connect_timeout_s)
         except TimeoutError:
-            return False
+            return logging.ERROR, "is unreachable", UNREACHABLE_RETRY_AFTER_S
         except grpc.aio.AioRpcError as err:
             if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 logger.error(
@@ -493,8 +504,16 @@ class SipUas:
                     err.code().name,
                     " ".join((err.details() or "").split()),
                 )
-            return False
-        return True
+                return logging.ERROR, "refuses the gateway's credentials", UNREACHABLE_RETRY_AFTER_S
+            return logging.ERROR, f"is unreachable ({err.code().name})", UNREACHABLE_RETRY_AFTER_S
+        load = info.load
+        if load.overloaded:  # (it refuses new realtime sessions until its load is back under the limit)
+            return (
+                logging.WARNING,
+                f"is overloaded (engine load {load.engine_load:.2f}, limit {load.admit_load:g})",
+                OVERLOADED_RETRY_AFTER_S,
+            )
+        return None
 
     async def _run(self, dialog: Dialog) -> None:
         call_id = dialog.info.call_id
