@@ -12,12 +12,16 @@
 #             (/metrics, cosystream_gpu_*) read halfway through each run
 #   second_pass  benchmarks/second_pass.py: Whisper's utterances per second by batch size on this device
 #             (where faster-whisper and a model are there; see the stage)
+#   overload  benchmarks/overload.py on this box (not in the default STAGES, a call of its own: STAGES=overload):
+#             100 realtime streams in service, then 600 more arriving over 10 s and 16 BATCH sessions flooding,
+#             alone and with admission by load; the base streams' p99 against theirs alone, arrivals admitted
+#             and refused, BATCH's speed (OVERLOAD_BASE, OVERLOAD_REALTIME, OVERLOAD_S change it)
 # Exit status: 0 only if every stage passed. docs/GPU.md says how long each takes and what came back.
 #
 # GPU_REHEARSAL=1 runs every stage on the CPU at toy sizes (benchmarks/gpu_rehearsal.sh does, in CI), so an
 # import or a path error shows here, not on the GPU; it ends with "no CUDA here". CAPACITY_COUNTS,
 # FRONTENDS and PROBE_PROCESSES override the capacity stage's sizes, CAPACITY_S its time limit; STAGES="capacity second_pass" runs only
-# those (default: all four).
+# those (default: the first four; the rehearsal adds overload).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/gpu-check}
@@ -32,11 +36,15 @@ if [ "$CUDA" = 1 ]; then
   SECOND_PASS_S=120 SECOND_PASS_BATCHES="1 8 32" CAPACITY_S=${CAPACITY_S:-260}
   COUNTS=${CAPACITY_COUNTS:-200 400 800 1200 1600 2000}
   FRONTENDS=${FRONTENDS:-8} PROBE_PROCESSES=${PROBE_PROCESSES:-6}
+  OVERLOAD_S=${OVERLOAD_S:-300} DEFAULT_STAGES="tests step capacity second_pass"
+  OVERLOAD=(--base "${OVERLOAD_BASE:-100}" --realtime "${OVERLOAD_REALTIME:-600}" --batch 16 --ramp-s 10 --duration 15)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$LOGS/device.txt" 2>&1
 elif [ "${GPU_REHEARSAL:-0}" = 1 ]; then
   DEVICE=cpu MAX_BATCH=4 ITERATIONS=2 DURATION=1.5 TEST_S=300 STEP_S=120 CAPACITY_S=120
   SECOND_PASS_S=120 SECOND_PASS_BATCHES="1 2"
   COUNTS=${CAPACITY_COUNTS:-2} FRONTENDS=${FRONTENDS:-2} PROBE_PROCESSES=${PROBE_PROCESSES:-2}
+  OVERLOAD_S=120 DEFAULT_STAGES="tests step capacity second_pass overload"
+  OVERLOAD=(--base 2 --realtime 3 --batch 1 --flood-after-s 1 --ramp-s 1 --duration 2)
   echo "rehearsal (no CUDA): cpu" > "$LOGS/device.txt"
 else
   echo "gpu_check: no CUDA device here (torch $("$PY" -c 'import torch; print(torch.__version__)')); GPU_REHEARSAL=1 rehearses on the CPU" >&2
@@ -91,13 +99,28 @@ if capacity:
         }
         for r in capacity["results"]
     }
+overload = load("overload.json")
+if overload:
+    result["overload"] = {
+        "base_p99_medians_ms": {k: round(v, 1) for k, v in overload["base_p99_medians"].items()},
+        "base_p99_change": {k: round(v, 3) for k, v in overload["base_p99_change"].items()},
+        "runs": {
+            name: [
+                {k: run.get(k) for k in ("base_p50_ms", "base_p99_ms", "base_deadline_misses", "arrivals_admitted",
+                                         "arrivals_refused", "arrivals_p99_ms", "batch_errors", "batch_realtime_factor",
+                                         "engine_load_max", "host_cpu_busy_max")}
+                for run in runs
+            ]
+            for name, runs in overload["runs"].items()
+        },
+    }
 result["passed"] = all(int(v) == 0 for v in rcs.values())
 (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
 PY
   tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 }
 
-STAGES=" ${STAGES:-tests step capacity second_pass} "
+STAGES=" ${STAGES:-$DEFAULT_STAGES} "
 stage() {  # NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, record its status
   local name=$1 seconds=$2
   shift 2
@@ -134,6 +157,12 @@ elif "$PY" -c "import faster_whisper" 2>/dev/null; then
 else
   echo "== second_pass: skipped (no faster_whisper here: its wheels and a model are not carried)" | tee "$LOGS/second_pass.log"
 fi
+# Past capacity on purpose, with the engine on the device and cores for the frontends and the probes: the
+# flood whose target is realtime p99 within 20% of the same streams alone, which a 2-core CPU box cannot run
+# fairly (its probes share the frontends' cores: docs/PERFORMANCE.md, "Overload").
+stage overload "$OVERLOAD_S" "$PY" -m benchmarks.overload --device "$DEVICE" --frontends "$FRONTENDS" \
+  --probe-processes "$PROBE_PROCESSES" --wav "$CARRY"/wav/*.wav "${OVERLOAD[@]}" --skip "by count only" \
+  --json "$OUT/overload.json"
 cat "$OUT/gpu_check.json"
 
 failed=0

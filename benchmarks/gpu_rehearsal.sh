@@ -88,7 +88,12 @@ for run in result["capacity"]["10ms"]["runs"] + result["capacity"]["20ms"]["runs
     else:  # the fake's values (tests/fake_nvml/fake_nvml.c)
         assert gpu["0"]["name"] == nvml_name and gpu["0"]["memory_total_bytes"] == 150e9, gpu
         assert gpu["0"]["utilization_percent"] == 40 and gpu["0"]["clocks_events"] == ["sw_power_cap"], gpu
-for name in ("step.json", "capacity.json", "capacity.png", "tests.xml", "logs.tar.gz"):
+overload = result["overload"]["runs"]  # (the flood at toy sizes: every configuration ran, none failed)
+assert set(overload) == {"alone", "admission by load"}, overload
+flood = overload["admission by load"][0]
+assert flood["arrivals_admitted"] + flood["arrivals_refused"] == 3 and flood["batch_errors"] == 0, flood
+assert overload["alone"][0]["base_p99_ms"] > 0 and flood["batch_realtime_factor"] > 0, overload
+for name in ("step.json", "capacity.json", "capacity.png", "tests.xml", "overload.json", "logs.tar.gz"):
     assert (out / name).stat().st_size > 0, name
 assert len(list(out.iterdir())) <= 8, "a call brings back at most 8 files"
 PY

@@ -22,7 +22,13 @@ configuration reports the lateness (``LoadStatus.audio_late_ms``) and the cores 
 (``LoadStatus.host_cpu_busy``), sampled every 0.25 s: median and max. ``--skip NAME`` leaves a
 configuration out ("by count only", say).
 
+On a GPU host (``benchmarks/gpu_check.sh``, its ``overload`` stage) the engine is on the device and the
+frontends and probes have cores of their own: ``--device cuda``, ``--wav`` (no espeak-ng there) and
+``--probe-processes`` (each probe's streams over that many processes).
+
     python -m benchmarks.overload --base 10 --realtime 40 --batch 4 --engine-share 0.5 --rounds 3
+    python -m benchmarks.overload --device cuda --frontends 8 --probe-processes 4 --wav speech.wav \
+        --base 100 --realtime 600 --batch 16 --skip "by count only"
 """
 
 from __future__ import annotations
@@ -67,12 +73,18 @@ def sample_load(
             loads.extend(float(v) for v in re.findall(r'^cosystream_engine_load\{engine="0"\} (\S+)$', text, re.M))
 
 
+def probe_flags(args: argparse.Namespace) -> list[str]:
+    """The probes' audio (``--wav``; default: espeak-ng's speech) and processes."""
+    return ["--processes", str(args.probe_processes)] + (["--wav", *args.wav] if args.wav else [])
+
+
 def run_flood(server: Server, args: argparse.Namespace, results: list[dict]) -> None:
     """After ``--flood-after-s``, the flood's probe; its JSON appended to ``results``."""
     time.sleep(args.flood_after_s)
     flood = [
         *("--realtime", str(args.realtime), "--batch", str(args.batch), "--chunk-ms", str(args.chunk_ms)),
         *("--duration", str(args.duration), "--ramp-s", str(args.ramp_s)),
+        *probe_flags(args),
     ]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         results.append(run_probe(server, out.name, *flood))
@@ -83,7 +95,10 @@ def run_one(name: str, flags: list[str], args: argparse.Namespace) -> dict:
     limit = str(args.base + args.realtime + args.batch + 8)
     base_s = args.flood_after_s + args.ramp_s + args.duration + 2  # (the base streams outlast the flood)
     base = ["--realtime", str(args.base), "--chunk-ms", str(args.chunk_ms), "--duration", str(base_s)]
+    base += probe_flags(args)
     serve = ["--max-sessions", limit, "--frontends", str(args.frontends), *flags]
+    if args.device:
+        serve += ["--device", args.device]
     with Server(*serve, engine_share=args.engine_share) as server:
         loads: list[float] = []
         late: list[float] = []
@@ -135,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds each arrival streams")
     parser.add_argument("--chunk-ms", type=int, default=10)
     parser.add_argument("--frontends", type=int, default=1)
+    parser.add_argument("--device", default=None, help="the engine's device (serve --device; default: serve's)")
+    parser.add_argument("--wav", nargs="+", default=None, help="WAV files for the probes (default: espeak-ng)")
+    parser.add_argument("--probe-processes", type=int, default=1, help="processes per latency probe (--processes)")
     parser.add_argument(
         "--engine-share",
         type=float,
@@ -179,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, flags in configs.items():  # (alternating, in one sitting)
             runs[name].append(run_one(name, flags, args))
             time.sleep(1)
-    dump({"config": vars(args), "runs": runs}, args.json)
+    medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
+    alone = medians.get("alone") or math.nan
+    # How far each configuration moved the base streams' p99 from theirs alone (medians over the rounds).
+    changes = {name: ms / alone - 1 for name, ms in medians.items()}
+    dump({"config": vars(args), "runs": runs, "base_p99_medians": medians, "base_p99_change": changes}, args.json)
     print(
         f"\n{'':<18} {'base p50':>9} {'base p99':>9} {'misses':>7} {'admitted':>9} {'refused':>8} "
         f"{'arr. p99':>9} {'batch err':>9} {'batch x rt':>10} {'load med/max':>13} {'late ms med/max':>15}"
@@ -202,11 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run.get('batch_errors', '-')!s:>9} {'-' if factor is None else round(factor, 1)!s:>10} {load:>13} "
                 f"{late:>15} {busy:>11}"
             )
-    medians = {name: statistics.median(r["base_p99_ms"] for r in rounds) for name, rounds in runs.items()}
-    alone = medians.get("alone") or math.nan
     print(
         "median base p99: "
-        + ", ".join(f"{name} {ms:.1f} ms ({(ms / alone - 1) * 100:+.0f}%)" for name, ms in medians.items())
+        + ", ".join(f"{name} {ms:.1f} ms ({changes[name] * 100:+.0f}%)" for name, ms in medians.items())
     )
     return 0
 
