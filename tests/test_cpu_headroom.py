@@ -23,8 +23,8 @@ from cosystream.engine.headroom import RETRY_AFTER_S
 from cosystream.frontend.cpu import WINDOW_S, CpuHeadroom, HostCpu, cgroup_quota
 from cosystream.frontend.host import StreamOptions
 from cosystream.priority import Priority
-from cosystream.server.retry import retry_after_s
 from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1.client import retry_after_s
 from tests.test_headroom import local_stub
 from tests.test_server import config, run_stream
 

@@ -19,9 +19,9 @@ from cosystream.engine.config import EngineConfig
 from cosystream.engine.core import EngineCore
 from cosystream.engine.headroom import RETRY_AFTER_S, THIN_INTERIM_MS, Degradation, Headroom
 from cosystream.priority import Priority
-from cosystream.server.retry import retry_after_s
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import retry_after_s
 from tests.servers import Served
 from tests.speech import encode, needs_espeak, silence, speech
 from tests.test_adaptive import FRAMES, FakeClock, send, tiny

@@ -419,6 +419,9 @@ def test_full_server_refuses_and_cancel_frees_the_slot(stub):
     extra.thread.join(10)
     assert extra.error is not None and extra.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "slots" in extra.error.details() or "full" in extra.error.details()
+    # The initial metadata says a session has an engine slot: every held stream got it, the refused one none.
+    assert all(dict(stream.call.initial_metadata()).get("cosystream-session-id") for stream in held)
+    assert "cosystream-session-id" not in dict(extra.call.initial_metadata() or ())
     held[0].call.cancel()
     held[0].thread.join(10)
     wait_active(stub, MAX_SESSIONS - 1)

@@ -23,9 +23,9 @@ from cosystream.frontend import usage
 from cosystream.frontend.quota import TokenSessions
 from cosystream.frontend.usage import DAY_S, UsageExceeded, UsageLimits
 from cosystream.server.auth import TokenFileError, parse_tokens
-from cosystream.server.retry import retry_after_s
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import retry_after_s
 from tests.servers import Served, local_server_with
 from tests.speech import encode, needs_espeak, silence, speech
 from tests.test_http import SENTENCE, heard

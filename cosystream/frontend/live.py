@@ -182,6 +182,8 @@ class LiveSession:
         # Until the engine answers the open, the stream cannot end OK: a refused open (the engine full) must
         # reach the client as RESOURCE_EXHAUSTED even if it half-closed before the answer came.
         self.opened = False
+        # Set once the engine has answered the open (a slot: ``opened``) or the stream has ended (a refusal).
+        self.answered = asyncio.Event()
         # Resume (config.resumable): the token, the input consumed (bytes; samples for the client), the responses
         # sent (numbered, the last RESUME_REPLAY kept), and while no connection holds it, the expiry timer.
         self.resume_token = host.new_resume_token() if config.resumable else ""
@@ -228,6 +230,7 @@ class LiveSession:
     def on_opened(self, model: int) -> None:
         log.debug("session %s has an engine slot", self.session_id)
         self.opened = True
+        self.answered.set()
         if model != self.model_id:  # (replaced since the stream was accepted: the engine gave the new version)
             self.on_moved(model)
         self._check_done()
@@ -366,6 +369,7 @@ class LiveSession:
             self.responses.put(Ended(status, message, retry_after_s))
             self.responses.wake()
             self.progress.set()
+            self.answered.set()
 
     def _check_done(self) -> None:
         if self.state == StreamState.FINISHING and self.opened and self.session.done:

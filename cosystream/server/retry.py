@@ -2,20 +2,19 @@
 
 A status whose refusal is temporary (a token's audio quota) carries, in the trailing metadata
 ``grpc-status-details-bin``, a ``google.rpc.Status`` with one ``RetryInfo`` detail (its ``retry_delay``),
-as Google's APIs send it; ``grpc_status.rpc_status.from_call(call)`` reads it on the client. The native
+as Google's APIs send it; ``grpc_status.rpc_status.from_call(call)`` reads it on the client (or ``cosystream.v1.client.retry_after_s``). The native
 stream's last response says the same in ``StreamError.retry_delay_ms``, the HTTP port in ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-DETAILS_KEY = "grpc-status-details-bin"
+from cosystream.v1.client import DETAILS_KEY
 
 
 def rich_status(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> status_pb2.Status:
@@ -35,16 +34,3 @@ def retry_metadata(code: grpc.StatusCode, message: str, retry_after_s: float | N
     if retry_after_s is None:
         return ()
     return ((DETAILS_KEY, rich_status(code, message, retry_after_s).SerializeToString()),)
-
-
-def retry_after_s(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
-    """The ``RetryInfo`` delay of a status's trailing metadata, in seconds; None if it has none."""
-    for key, value in metadata or ():
-        if key != DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        status = status_pb2.Status.FromString(value)
-        for detail in status.details:
-            info = error_details_pb2.RetryInfo()
-            if detail.Unpack(info):
-                return info.retry_delay.ToMilliseconds() / 1000
-    return None

@@ -378,11 +378,17 @@ class CosyStreamServicer(SessionHost, pb_grpc.CosyStreamServicer):
                 await context.send_initial_metadata(_metadata(stream))
                 for message in replay:
                     yield message
+                stream.attach(asyncio.create_task(self._read(stream, requests, context)))
             else:
                 self.start(stream)
-                # The config is accepted: say so at once (clients may wait for this before sending audio).
-                await context.send_initial_metadata(_metadata(stream))
-            stream.attach(asyncio.create_task(self._read(stream, requests, context)))
+                stream.attach(asyncio.create_task(self._read(stream, requests, context)))  # (audio read meanwhile)
+                # The metadata says the session is admitted: its config accepted and an engine slot given. So a
+                # client that waits for it before sending audio (a telephony gateway, before it answers the
+                # call) never takes a session the engine refuses for capacity: that one gets no metadata, only
+                # its RESOURCE_EXHAUSTED (with a RetryInfo), from the loop below.
+                await stream.answered.wait()
+                if stream.opened:
+                    await context.send_initial_metadata(_metadata(stream))
             while True:
                 item = await stream.responses.get()
                 if item is DONE:

@@ -21,11 +21,13 @@ import argparse
 import ipaddress
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
+from google.rpc import error_details_pb2, status_pb2
 
 from cosystream.v1 import cosystream_pb2 as pb
 
@@ -341,3 +343,20 @@ def encode_mulaw(samples: np.ndarray) -> bytes:
     exponent = np.floor(np.log2(magnitude)).astype(np.int32) - 7
     mantissa = (magnitude >> (exponent + 3)) & 0x0F
     return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8).tobytes()
+
+
+DETAILS_KEY = "grpc-status-details-bin"
+"""The trailing metadata key of gRPC's rich error model (a ``google.rpc.Status``): a refusal's ``RetryInfo``."""
+
+
+def retry_after_s(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
+    """The ``RetryInfo`` delay of a status's trailing metadata, in seconds; None if it has none."""
+    for key, value in metadata or ():
+        if key != DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                return info.retry_delay.ToMilliseconds() / 1000
+    return None

@@ -67,8 +67,9 @@ class CosyStreamServicer:
         4. exactly one final result (`is_final` true), possibly with an empty transcript.
         An utterance's final precedes the next utterance's SPEECH_STARTED. Silence produces no responses.
         Every response carries `session_id` and the server-side `latency` breakdown. Once the config is
-        accepted the server sends initial metadata (`cosystream-session-id`), so a client may wait for it
-        before streaming audio.
+        accepted and the session has an engine slot, the server sends initial metadata
+        (`cosystream-session-id`), so a client may wait for it before streaming audio: a session refused for
+        capacity (RESOURCE_EXHAUSTED) gets none.
 
         Errors end the stream with a status: INVALID_ARGUMENT for a bad or missing config, audio or control
         before the config, or a second config; RESOURCE_EXHAUSTED when the server is full (or a BATCH

@@ -44,6 +44,7 @@ BYTES_PER_SAMPLE = {pb.AUDIO_ENCODING_UNSPECIFIED: 2, pb.LINEAR16: 2, pb.MULAW: 
 """The resumable encodings and their sample sizes (unspecified is LINEAR16)."""
 
 TOKEN_METADATA = "cosystream-resume-token"
+SESSION_METADATA = "cosystream-session-id"  # (initial metadata: the session is admitted, an engine slot given)
 """The initial-metadata key the server sends a resumable stream's token under."""
 
 
@@ -133,6 +134,9 @@ class ResumableStream:
         # The current call's config was accepted (its initial metadata came): audio is written only then, so
         # that it never races a refusal (whose status then arrives intact).
         self._accepted = asyncio.Event()
+        # Set once a call's session is admitted (its initial metadata names it; a refusal for capacity has none):
+        # a caller may wait for it before it commits to the stream (a telephony gateway, before it answers).
+        self.admitted = asyncio.Event()
         self.status = StreamStatus()  # the status the last call really ended with (client.py)
         self.token = ""
         # A snapshot the server handed the session over with (a drain: StreamingRecognizeResponse.resume_snapshot)
@@ -172,7 +176,10 @@ class ResumableStream:
                 self.status = StreamStatus()
                 call = self._stub.StreamingRecognize(self._requests(), metadata=self._metadata or None)
                 try:
-                    token = dict(await call.initial_metadata() or ()).get(TOKEN_METADATA)
+                    metadata = dict(await call.initial_metadata() or ())
+                    if metadata.get(SESSION_METADATA):
+                        self.admitted.set()
+                    token = metadata.get(TOKEN_METADATA)
                     if token:
                         if resuming:
                             self.resumes += 1
