@@ -1111,20 +1111,31 @@ def test_ari_external_media_two_channels_at_once(gateway, call_audio):
 
 
 @needs_espeak
-def test_an_overloaded_server_gets_new_calls_a_503_with_a_retry_after(tmp_path, call_audio):
+@pytest.mark.parametrize("window_s", [0, 60], ids=["overloaded", "refused-at-open"])
+def test_a_server_at_capacity_gets_new_calls_a_503_with_a_retry_after(tmp_path, call_audio, window_s):
+    """At capacity, a call is not answered: the gateway answers 503 with the server's retry delay, seen in its
+    load (overloaded: NOT_SERVING) or, before the overload shows there, in the refusal of the call's session,
+    which the gateway opens before it answers (the server's metadata says the session has an engine slot)."""
     import grpc
 
     from cosystream.v1 import cosystream_pb2 as pb
     from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
 
     audio, _ = call_audio
-    # A limit so low that one live call passes it (an idle engine's load: under 0.005).
-    engine = EngineConfig(max_sessions=4, max_batch=4, admit_load=0.02, overload_window_s=0)
+    # A limit so low that one live call passes it (an idle engine's load: under 0.005). A 60 s overload window
+    # keeps the load service SERVING throughout: only the session's own admission refuses.
+    engine = EngineConfig(max_sessions=4, max_batch=4, admit_load=0.02, overload_window_s=window_s)
     with LocalServer(engine=engine) as server, grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.CosyStreamStub(channel)
 
-        def overloaded() -> bool:
-            return stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).load.overloaded
+        def load() -> pb.LoadStatus:
+            return stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).load
+
+        def wait(condition, what: str) -> None:
+            deadline = time.monotonic() + 30
+            while not condition():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.1)
 
         gw = Gateway(tmp_path, server.address, "--rtp-timeout-s", "10")
         phones = [Phone(gw.address) for _ in range(3)]
@@ -1136,21 +1147,23 @@ def test_an_overloaded_server_gets_new_calls_a_503_with_a_retry_after(tmp_path, 
             with first.media as media:
                 sender = threading.Thread(target=send_paced, args=(media, first.rtp, packets, 0.02, stop))
                 sender.start()
-                deadline = time.monotonic() + 30
-                while not overloaded():
-                    assert time.monotonic() < deadline, "the server never overloaded under a live call"
-                    time.sleep(0.1)
+                if window_s:
+                    wait(lambda: load().engine_load >= 0.02, "no load under a live call")
+                    time.sleep(2.5)  # (admission reads the last 2 s of load: the call's alone from here)
+                    assert not load().overloaded
+                else:
+                    wait(lambda: load().overloaded, "the server never overloaded under a live call")
                 refused = second.invite()
                 assert (refused.status, refused.get("retry-after")) == (503, "2")
-                log = gw.wait_log(f"call {second.call_id}: refused, the cosystream server {server.address} is ")
-                assert "is overloaded (engine load" in log and "limit 0.02)" in log
+                log = gw.wait_log(f"call {second.call_id}: refused, the cosystream server {server.address} ")
+                if window_s:
+                    assert "refused its session (RESOURCE_EXHAUSTED: the server is at capacity" in log
+                else:
+                    assert "is overloaded (engine load" in log and "limit 0.02)" in log
                 stop.set()
                 sender.join(10)
             assert first.bye().status == 200
-            deadline = time.monotonic() + 30
-            while overloaded():  # (the load falls back under the limit with the call gone)
-                assert time.monotonic() < deadline, "the server stayed overloaded with no call"
-                time.sleep(0.1)
+            wait(lambda: not load().overloaded and load().realtime_sessions == 0, "still loaded with no call")
             assert third.invite().status == 200
             assert third.bye().status == 200
             assert gw.alive()
@@ -1160,6 +1173,7 @@ def test_an_overloaded_server_gets_new_calls_a_503_with_a_retry_after(tmp_path, 
                 p.close()
             log = gw.stop()
         assert gw.process.returncode == 0 and "Traceback" not in log, log[-3000:]
+        assert f"call {second.call_id} ended" not in log  # (never answered: no call to end)
 
 
 @needs_espeak

@@ -46,7 +46,7 @@ class AsrStream:
         config: pb.StreamingConfig,
         on_result: Callable[[pb.StreamingResult], None],
     ):
-        self._stub = stub
+        self._stream = ResumableStream(stub, config)
         self._config = config
         self._on_result = on_result
         self.chunk_bytes = SAMPLE_RATE_HZ * CHUNK_MS // 1000 * BYTES_PER_SAMPLE[config.encoding]
@@ -83,8 +83,13 @@ class AsrStream:
             self.sent_bytes += len(chunk)
             yield chunk
 
+    @property
+    def admitted(self) -> asyncio.Event:
+        """Set once the server has admitted the session (an engine slot given): :meth:`run` is running."""
+        return self._stream.admitted
+
     async def run(self) -> None:
-        stream = ResumableStream(self._stub, self._config)
+        stream = self._stream
         async for response in stream.recognize(self._audio()):
             for result in response.results:
                 if result.is_final:

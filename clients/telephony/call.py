@@ -123,6 +123,7 @@ class RtpCall:
         self._last_packet_s: float | None = None
         self._accounted_s = 0.0  # wall time up to which audio (received or filled) was fed
         self._hangup_s: float | None = None
+        self._session: asyncio.Future | None = None  # (opened by admit(), before the call is answered)
 
     async def open(self, host: str, pool: PortPool) -> int | None:
         """Bind an RTP port from ``pool`` (skipping ports something else holds); None when none is free."""
@@ -265,9 +266,32 @@ class RtpCall:
             self.asr.feed(audio)
         self.asr.close()
 
+    async def admit(self, timeout_s: float) -> grpc.aio.AioRpcError | None:
+        """Open the call's session before the call is answered. None once the server has admitted it, or has
+        not answered within ``timeout_s`` (the call goes on, and :meth:`run` says how its session ends); the
+        server's refusal otherwise (RESOURCE_EXHAUSTED: at capacity, with a retry delay), for the caller's 503."""
+        self._session = session = asyncio.ensure_future(self.asr.run())
+        admitted = asyncio.ensure_future(self.asr.admitted.wait())
+        try:
+            await asyncio.wait({session, admitted}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            admitted.cancel()
+        if not session.done() or session.cancelled():
+            return None
+        err = session.exception()
+        if isinstance(err, grpc.aio.AioRpcError) and not self.asr.admitted.is_set():
+            return err
+        return None  # (it ended at once, admitted: run() reports how)
+
+    def abandon(self) -> None:
+        """The call is not answered after all: its session (if :meth:`admit` opened one) is cancelled."""
+        if self._session is not None and not self._session.done():
+            self._session.cancel()
+        self.close()
+
     async def run(self) -> None:
         self._started_s = time.monotonic()
-        session = asyncio.ensure_future(self.asr.run())
+        session = self._session or asyncio.ensure_future(self.asr.run())
         try:
             while not (await asyncio.wait({session}, timeout=TICK_S))[0]:
                 self._tick(session)

@@ -5,8 +5,9 @@ BYE goes back on it; over TCP and TLS nothing is retransmitted (RFC 3261 17: rel
 
 Requests: INVITE (100, 180, then 200 with an SDP answer; 488 without PCMU/PCMA; 486 at
 ``max_calls``; 503 with a Retry-After while the cosystream server is unreachable or overloaded (its load
-service NOT_SERVING: it refuses new realtime sessions, so the caller's proxy can try another gateway
-rather than get a call hung up at once); re-INVITEs get the same answer and
+service NOT_SERVING: it refuses new realtime sessions), or when it refuses the call's session, which is
+opened before the 200 (the server's initial metadata says it has an engine slot): the caller's proxy can try
+another gateway rather than get a call hung up at once; re-INVITEs get the same answer and
 move the accepted RTP source to their offer's), ACK,
 BYE and CANCEL (200 and teardown; a CANCEL that arrives after the 200 is answered 200 and changes
 nothing, as RFC 3261 9.2 says), OPTIONS (200); anything else 501. A retransmitted request gets the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import socket
 import ssl
@@ -35,6 +37,7 @@ import grpc
 
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.client import retry_after_s
 
 from . import sip
 from .call import CallSlots, MalformedLog, RtpCall
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 # its own RESOURCE_EXHAUSTED refusals advise, cosystream/engine/headroom.py).
 UNREACHABLE_RETRY_AFTER_S = 5
 OVERLOADED_RETRY_AFTER_S = 2
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 T1_S = 0.5
 T2_S = 4.0
@@ -440,17 +444,36 @@ class SipUas:
                 await asyncio.sleep(self.config.ring_ms / 1000)
             refusal = await self._server_refusal()
             if refusal is not None:
-                level, why, retry_after_s = refusal
+                level, why, wait_s = refusal
                 logger.log(
                     level, "call %s: refused, the cosystream server %s %s", info.call_id, self.config.server, why
                 )
-                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(retry_after_s))])
+                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(wait_s))])
                 return
             host = self._local_ip(tx.source[0])
             port = await media.open(self.config.bind, self._ports)
             if port is None:
                 logger.error("call %s: refused, no free RTP port in %d-%d", info.call_id, *self._port_range())
                 self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", "5")])
+                return
+            refused = await media.admit(self.config.connect_timeout_s)
+            if refused is not None:  # (the server's word on this session: at capacity, draining, ...)
+                retry_s = retry_after_s(refused.trailing_metadata())
+                if retry_s is None:
+                    retry_s = (
+                        OVERLOADED_RETRY_AFTER_S
+                        if refused.code() == RESOURCE_EXHAUSTED
+                        else UNREACHABLE_RETRY_AFTER_S
+                    )
+                logger.log(
+                    logging.WARNING if refused.code() == RESOURCE_EXHAUSTED else logging.ERROR,
+                    "call %s: refused, the cosystream server %s refused its session (%s: %s)",
+                    info.call_id,
+                    self.config.server,
+                    refused.code().name,
+                    " ".join((refused.details() or "").split()),
+                )
+                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(math.ceil(retry_s)))])
                 return
             sdp = answer_sdp(negotiated, host, port, secrets.randbelow(1 << 31), 1)
             dialog = Dialog(
@@ -483,7 +506,7 @@ class SipUas:
             self._track(dialog.task)
         finally:
             if not answered:
-                media.close()
+                media.abandon()
                 self._slots.release()
 
     async def _server_refusal(self) -> tuple[int, str, int] | None:
