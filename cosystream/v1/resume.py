@@ -44,8 +44,10 @@ BYTES_PER_SAMPLE = {pb.AUDIO_ENCODING_UNSPECIFIED: 2, pb.LINEAR16: 2, pb.MULAW: 
 """The resumable encodings and their sample sizes (unspecified is LINEAR16)."""
 
 TOKEN_METADATA = "cosystream-resume-token"
-SESSION_METADATA = "cosystream-session-id"  # (initial metadata: the session is admitted, an engine slot given)
 """The initial-metadata key the server sends a resumable stream's token under."""
+
+SESSION_METADATA = "cosystream-session-id"
+"""The initial-metadata key of every stream's session id, sent once the session is admitted (an engine slot)."""
 
 
 @dataclass(frozen=True, slots=True)
