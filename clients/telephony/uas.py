@@ -53,7 +53,18 @@ logger = logging.getLogger(__name__)
 # its own RESOURCE_EXHAUSTED refusals advise, cosystream/engine/headroom.py).
 UNREACHABLE_RETRY_AFTER_S = 5
 OVERLOADED_RETRY_AFTER_S = 2
-RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def session_refusal(err: grpc.aio.AioRpcError) -> tuple[int, str, int]:
+    """The log level, the reason and the Retry-After (s) of a call whose session the server refused: the
+    refusal's own retry delay, else by its status (at capacity, or anything else: draining, credentials)."""
+    at_capacity = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry_s = retry_after_s(err.trailing_metadata())
+    if retry_s is None:
+        retry_s = OVERLOADED_RETRY_AFTER_S if at_capacity else UNREACHABLE_RETRY_AFTER_S
+    why = f"refused its session ({err.code().name}: {' '.join((err.details() or '').split())})"
+    return logging.WARNING if at_capacity else logging.ERROR, why, math.ceil(retry_s)
+
 
 T1_S = 0.5
 T2_S = 4.0
@@ -444,11 +455,7 @@ class SipUas:
                 await asyncio.sleep(self.config.ring_ms / 1000)
             refusal = await self._server_refusal()
             if refusal is not None:
-                level, why, wait_s = refusal
-                logger.log(
-                    level, "call %s: refused, the cosystream server %s %s", info.call_id, self.config.server, why
-                )
-                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(wait_s))])
+                self._refuse(tx, info.call_id, refusal)
                 return
             host = self._local_ip(tx.source[0])
             port = await media.open(self.config.bind, self._ports)
@@ -458,22 +465,7 @@ class SipUas:
                 return
             refused = await media.admit(self.config.connect_timeout_s)
             if refused is not None:  # (the server's word on this session: at capacity, draining, ...)
-                retry_s = retry_after_s(refused.trailing_metadata())
-                if retry_s is None:
-                    retry_s = (
-                        OVERLOADED_RETRY_AFTER_S
-                        if refused.code() == RESOURCE_EXHAUSTED
-                        else UNREACHABLE_RETRY_AFTER_S
-                    )
-                logger.log(
-                    logging.WARNING if refused.code() == RESOURCE_EXHAUSTED else logging.ERROR,
-                    "call %s: refused, the cosystream server %s refused its session (%s: %s)",
-                    info.call_id,
-                    self.config.server,
-                    refused.code().name,
-                    " ".join((refused.details() or "").split()),
-                )
-                self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(math.ceil(retry_s)))])
+                self._refuse(tx, info.call_id, session_refusal(refused))
                 return
             sdp = answer_sdp(negotiated, host, port, secrets.randbelow(1 << 31), 1)
             dialog = Dialog(
@@ -508,6 +500,13 @@ class SipUas:
             if not answered:
                 media.abandon()
                 self._slots.release()
+
+    def _refuse(self, tx, call_id: str, refusal: tuple[int, str, int]) -> None:
+        """Answer the INVITE 503 with its Retry-After, the log saying why (a :meth:`_server_refusal` or a
+        :func:`session_refusal`)."""
+        level, why, wait_s = refusal
+        logger.log(level, "call %s: refused, the cosystream server %s %s", call_id, self.config.server, why)
+        self._respond(tx, 503, "Service Unavailable", headers=[("Retry-After", str(wait_s))])
 
     async def _server_refusal(self) -> tuple[int, str, int] | None:
         """The log level and why the server would not take this call, and the Retry-After (s) for the

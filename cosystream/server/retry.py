@@ -2,8 +2,9 @@
 
 A status whose refusal is temporary (a token's audio quota) carries, in the trailing metadata
 ``grpc-status-details-bin``, a ``google.rpc.Status`` with one ``RetryInfo`` detail (its ``retry_delay``),
-as Google's APIs send it; ``grpc_status.rpc_status.from_call(call)`` reads it on the client (or ``cosystream.v1.client.retry_after_s``). The native
-stream's last response says the same in ``StreamError.retry_delay_ms``, the HTTP port in ``Retry-After``.
+as Google's APIs send it; ``grpc_status.rpc_status.from_call(call)`` reads it on the client, as does
+``cosystream.v1.client.retry_after_s``. The native stream's last response says the same in
+``StreamError.retry_delay_ms``, the HTTP port in ``Retry-After``.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from cosystream.server.messages import STATUS_CODES, response_message
 from cosystream.server.retry import retry_metadata
 from cosystream.v1 import cosystream_pb2 as pb
 from cosystream.v1 import cosystream_pb2_grpc as pb_grpc
+from cosystream.v1.resume import SESSION_METADATA, TOKEN_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +284,8 @@ async def _abort(context, end: Ended) -> None:
 
 def _metadata(stream: LiveSession) -> tuple[tuple[str, str], ...]:
     """A stream's initial metadata: its session id, and its resume token if it is resumable."""
-    session = (("cosystream-session-id", stream.session_id),)
-    return (*session, ("cosystream-resume-token", stream.resume_token)) if stream.resume_token else session
+    session = ((SESSION_METADATA, stream.session_id),)
+    return (*session, (TOKEN_METADATA, stream.resume_token)) if stream.resume_token else session
 
 
 async def _dropped(context) -> bool:

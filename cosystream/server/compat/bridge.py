@@ -39,6 +39,7 @@ from cosystream.server.native import NativeStream, StreamEnded
 from cosystream.server.retry import retry_metadata
 from cosystream.server.servicer import CosyStreamServicer
 from cosystream.v1 import cosystream_pb2 as pb
+from cosystream.v1.resume import SESSION_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class AbortGuard:
         channel runs a native session per channel, and the call has one set: the first channel's)."""
         if await stream.accepted() and not self._metadata_sent:
             self._metadata_sent = True
-            await self._context.send_initial_metadata((("cosystream-session-id", stream.session_id),))
+            await self._context.send_initial_metadata(((SESSION_METADATA, stream.session_id),))
 
 
 @dataclass(frozen=True, slots=True)
